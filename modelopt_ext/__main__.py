@@ -1,0 +1,5 @@
+"""`python -m modelopt_ext ...` runs the command-line interface."""
+
+from modelopt_ext.cli import main
+
+raise SystemExit(main())

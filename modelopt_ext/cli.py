@@ -1,0 +1,84 @@
+"""Command-line interface: parses arguments and calls one library entry point per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
+
+STANDIN_GENERATORS = {"kimi_k3": make_tiny}
+
+
+def _add_make_tiny(sub) -> None:
+    p = sub.add_parser("make-tiny", help="write a tiny random-weight stand-in checkpoint of a model family")
+    p.add_argument("family", choices=sorted(STANDIN_GENERATORS))
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    defaults = TinySizes()
+    p.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    p.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    p.add_argument("--latent-size", type=int, default=None, help="routed-expert width (default hidden/2)")
+    p.add_argument("--moe-intermediate-size", type=int, default=defaults.moe_intermediate_size)
+    p.add_argument("--num-experts", type=int, default=defaults.num_experts)
+    p.add_argument("--top-k", type=int, default=defaults.top_k)
+    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    p.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
+
+
+def _run_make_tiny(args) -> int:
+    sizes = TinySizes(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        latent_size=args.latent_size,
+        moe_intermediate_size=args.moe_intermediate_size,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        vocab_size=args.vocab_size,
+    )
+    out = STANDIN_GENERATORS[args.family](args.out_dir, seed=args.seed, sizes=sizes, force=args.force)
+    print(f"wrote {args.family} stand-in to {out}")
+    return 0
+
+
+def _add_forward(sub) -> None:
+    p = sub.add_parser("forward", help="load a checkpoint with transformers and run a text and a text+image forward")
+    p.add_argument("model")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+
+
+def _run_forward(args) -> int:
+    from modelopt_ext.models.kimi_k3.standin.smoke import run_forwards
+
+    for line in run_forwards(args.model, args.dtype):
+        print(line)
+    return 0
+
+
+COMMANDS = {"make-tiny": (_add_make_tiny, _run_make_tiny), "forward": (_add_forward, _run_forward)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelopt-ext", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return COMMANDS[args.command][1](args)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"modelopt-ext {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

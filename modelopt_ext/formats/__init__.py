@@ -1,0 +1,1 @@
+"""Low-level tensor storage formats (packing, scales, quantize/dequantize)."""

@@ -1,0 +1,281 @@
+"""Generator of the tiny Kimi-K3 stand-in checkpoint (`modelopt-ext make-tiny kimi_k3 OUT_DIR`).
+
+Writes the same files, class names, keys, dtypes and quantization format as the real checkpoint, every
+size shrunk: config.json (auto_map + compressed-tensors MXFP4 quantization_config), the remote-code
+files, sharded safetensors with an index, generation_config.json and a local tokenizer. Routed experts
+are stored MXFP4 (`weight_packed` / `weight_scale`), everything else bf16, except the fp32 KDA
+parameters and router bias. Values depend only on (seed, tensor name): the same seed gives
+byte-identical files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from modelopt_ext.formats.mxfp4 import GROUP_SIZE, quantize_mxfp4
+
+from . import tokenizer as tok
+from .configuration_kimi_k3 import KimiK3Config
+from .modeling_kimi_k3 import KimiK3ForConditionalGeneration
+
+logger = logging.getLogger(__name__)
+
+STANDIN_DIR = Path(__file__).parent
+REMOTE_CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py")
+TEXT_PREFIX = "language_model.model.layers."
+EXPERT_KEY = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+FP32_KEYS = re.compile(r"(A_log|dt_bias|conv1d\.weight|e_score_correction_bias)$")
+# The upstream quantization config: MXFP4 weights (group 32, E8M0 uint8 scales) for every Linear not
+# ignored; the ignore list leaves everything but the routed experts in bf16.
+IGNORE = [
+    "language_model.lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    r"re:.*mlp\.(gate|up|down)_proj$",
+    r"re:.*routed_expert_(down|up)_proj$",
+    r"re:.*_res_proj$",
+    "re:vision_tower.*",
+    "re:mm_projector.*",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySizes:
+    """Sizes of the stand-in. Defaults: dense layer 0, KDA and MLA layers, three AttnRes blocks."""
+
+    num_layers: int = 6
+    hidden_size: int = 128
+    latent_size: int | None = None  # default: hidden_size // 2
+    moe_intermediate_size: int = 64
+    num_experts: int = 16
+    top_k: int = 4
+    vocab_size: int = 512
+
+    @property
+    def latent(self) -> int:
+        return self.latent_size if self.latent_size is not None else self.hidden_size // 2
+
+    def validate(self) -> None:
+        """Refuse sizes the checkpoint format cannot hold, naming the value."""
+        for name, value in (
+            ("hidden_size", self.hidden_size),
+            ("latent_size", self.latent),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+        ):
+            if value <= 0 or value % GROUP_SIZE:
+                raise ValueError(f"{name}={value} must be a positive multiple of the MXFP4 group size {GROUP_SIZE}")
+        if self.latent > self.hidden_size:
+            raise ValueError(f"latent_size={self.latent} must not exceed hidden_size={self.hidden_size}")
+        if self.num_layers < 2:
+            raise ValueError(f"num_layers={self.num_layers}: need the dense layer 0 and at least one MoE layer")
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts={self.num_experts} must be at least 1")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+        if self.vocab_size < tok.MIN_VOCAB_SIZE:
+            raise ValueError(f"vocab_size={self.vocab_size} is below the tokenizer minimum {tok.MIN_VOCAB_SIZE}")
+
+
+def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
+    """The stand-in's KimiK3Config: real field names and structure, tiny sizes."""
+    n = sizes.num_layers
+    full = list(range(3, n + 1, 3)) or [n]
+    text = dict(
+        vocab_size=sizes.vocab_size,
+        hidden_size=sizes.hidden_size,
+        intermediate_size=2 * sizes.hidden_size,
+        num_hidden_layers=n,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=sizes.num_experts,
+        num_experts_per_token=sizes.top_k,
+        moe_intermediate_size=sizes.moe_intermediate_size,
+        num_shared_experts=1,
+        latent_moe_dim=sizes.latent,
+        attn_res_block_size=2,
+        bos_token_id=special_ids["[BOS]"],
+        eos_token_id=special_ids["[EOS]"],
+        pad_token_id=special_ids["[PAD]"],
+        linear_attn_config={
+            "full_attn_layers": full,
+            "kda_layers": [i for i in range(1, n + 1) if i not in full],
+            "num_heads": 4,
+            "head_dim": 32,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+        },
+    )
+    vision = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, patch_size=14,
+        init_pos_emb_height=16, init_pos_emb_width=16,
+    )
+    return KimiK3Config(
+        text_config=text,
+        vision_config=vision,
+        media_placeholder_token_id=special_ids[tok.IMAGE_TOKEN],
+        pad_token_id=special_ids["[PAD]"],
+        architectures=["KimiK3ForConditionalGeneration"],
+        auto_map={
+            "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+            "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+        },
+        dtype="bfloat16",
+    )
+
+
+def quantization_config() -> dict:
+    weights = {
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP_SIZE, "strategy": "group",
+        "dynamic": False, "actorder": None, "observer": "minmax", "scale_dtype": "torch.uint8",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"], "weights": weights, "input_activations": None,
+                "output_activations": None, "format": "mxfp4-pack-quantized",
+            }
+        },
+        "ignore": IGNORE,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _values(name: str, shape: torch.Size, seed: int, config: KimiK3Config) -> torch.Tensor:
+    """Deterministic fp32 values for one parameter, scaled to keep activations O(1)."""
+    g = _generator(seed, name)
+    randn = torch.randn(shape, generator=g, dtype=torch.float32)
+    leaf = name.rsplit(".", 2)
+    if name.endswith("A_log"):
+        heads = config.text_config.linear_attn_config["num_heads"]
+        a_log = torch.zeros(shape)
+        a_log[:heads] = torch.rand(heads, generator=g).mul(15).add(1).log()
+        return a_log
+    if name.endswith("dt_bias") or name.endswith("e_score_correction_bias"):
+        return randn * 0.1
+    if name.endswith("conv1d.weight"):
+        return randn * 0.5
+    if "norm" in leaf[-2] and leaf[-1] == "weight":
+        return 1.0 + 0.1 * randn
+    if leaf[-1] == "bias" or name.endswith("pos_emb"):
+        return randn * 0.02
+    if name.endswith("embed_tokens.weight"):
+        return randn
+    fan_in = shape[1:].numel() if len(shape) > 1 else shape[0]
+    return randn * fan_in**-0.5
+
+
+def build_state_dict(config: KimiK3Config, seed: int) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors, keyed and typed as the real checkpoint stores them."""
+    with torch.device("meta"):
+        model = KimiK3ForConditionalGeneration(config)
+    state = {}
+    for name, param in sorted(model.state_dict().items()):
+        values = _values(name, param.shape, seed, config)
+        if EXPERT_KEY.search(name):
+            packed, scale = quantize_mxfp4(values)
+            stem = name[: -len("weight")]
+            state[stem + "weight_packed"], state[stem + "weight_scale"] = packed, scale
+        elif FP32_KEYS.search(name):
+            state[name] = values.contiguous()
+        else:
+            state[name] = values.to(torch.bfloat16)
+    return state
+
+
+def _shard_of(key: str, num_layers: int, layers_per_shard: int) -> int:
+    if key.startswith(TEXT_PREFIX):
+        return int(key[len(TEXT_PREFIX) :].split(".", 1)[0]) // layers_per_shard
+    if key.startswith("language_model.lm_head") or key.startswith("language_model.model.norm") or (
+        key.startswith("language_model.model.output_attn_res")
+    ):
+        return (num_layers - 1) // layers_per_shard
+    return 0  # embeddings, vision tower, mm_projector
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_shards(out: Path, state: dict[str, torch.Tensor], num_layers: int, layers_per_shard: int = 2) -> None:
+    num_shards = (num_layers - 1) // layers_per_shard + 1
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
+    for key, tensor in state.items():
+        shards[_shard_of(key, num_layers, layers_per_shard)][key] = tensor
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for key, tensor in shard.items():
+            weight_map[key] = fname
+            total += tensor.numel() * tensor.element_size()
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _prepare_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise FileExistsError(f"{out_dir} is not empty; pass --force to replace its contents")
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes(), force: bool = False) -> Path:
+    """Write the stand-in checkpoint into `out_dir` (built in a temporary sibling, then moved in place).
+
+    Raises ValueError for sizes the format cannot hold and FileExistsError for a non-empty `out_dir`
+    without `force`; in both cases nothing is written.
+    """
+    sizes.validate()
+    out_dir = Path(out_dir)
+    _prepare_out_dir(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        special_ids = tok.write_tokenizer(tmp, sizes.vocab_size)
+        config = build_config(sizes, special_ids)
+        config_dict = config.to_dict()
+        config_dict["quantization_config"] = quantization_config()
+        _write_json(tmp / "config.json", config_dict)
+        text = config.text_config
+        _write_json(
+            tmp / "generation_config.json",
+            {"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id,
+             "pad_token_id": text.pad_token_id, "do_sample": False, "max_new_tokens": 64},
+        )
+        for fname in REMOTE_CODE_FILES:
+            shutil.copyfile(STANDIN_DIR / fname, tmp / fname)
+        logger.info("generating tiny kimi_k3 weights (seed %d, %s)", seed, sizes)
+        write_shards(tmp, build_state_dict(config, seed), sizes.num_layers)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote tiny kimi_k3 checkpoint to %s", out_dir)
+    return out_dir

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests and benchmarks: tiny checkpoints, loading, (later) multi-process harness."""

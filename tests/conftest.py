@@ -1,0 +1,25 @@
+"""Shared fixtures. Every test runs offline; remote code modules are cached in a per-run temp dir
+(set before transformers is imported, which reads it at import time)."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+_MODULES_CACHE = tempfile.mkdtemp(prefix="modelopt_ext_hf_modules-")
+os.environ["HF_MODULES_CACHE"] = _MODULES_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_MODULES_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """The default tiny Kimi-K3 stand-in (seed 0)."""
+    from modelopt_ext.testing.checkpoints import tiny_kimi_k3
+
+    return tiny_kimi_k3(tmp_path_factory.mktemp("ckpt"))
