@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return COMMANDS[args.command][1](args)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"modelopt-ext {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -251,10 +252,13 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes()
     without `force`; in both cases nothing is written.
     """
     sizes.validate()
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # "." or "x/.." must not make the temp dir live inside the target
     _prepare_out_dir(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint should read like any other folder
     try:
         special_ids = tok.write_tokenizer(tmp, sizes.vocab_size)
         config = build_config(sizes, special_ids)

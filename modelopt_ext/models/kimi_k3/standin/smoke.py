@@ -9,6 +9,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
+from modelopt_ext.families import read_config
+
 from .inputs import synthetic_image, text_image_inputs
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,7 @@ def load_unpatched(model_dir: str, dtype: torch.dtype):
 
 def run_forwards(model_dir: str, dtype_name: str = "bfloat16") -> list[str]:
     """Returns one summary line per forward; raises if any logits are not finite."""
+    read_config(model_dir)  # clear errors for a missing folder or config.json
     start = time.perf_counter()
     model = load_unpatched(model_dir, DTYPES[dtype_name])
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)

@@ -1,0 +1,180 @@
+"""Tests for the `modelopt-ext` command line (modelopt_ext.cli): make-tiny and forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modelopt_ext.cli import main
+from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    return env
+
+
+@pytest.fixture(scope="module")
+def seed3(tmp_path_factory) -> Path:
+    """The library's own seed-3 checkpoint, the reference for the CLI runs."""
+    return make_tiny(tmp_path_factory.mktemp("lib") / "seed3", seed=3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# make-tiny, in process
+
+
+def test_make_tiny_writes_checkpoint(tmp_path, capsys, seed3):
+    out = tmp_path / "ckpt"
+    assert main(["make-tiny", "kimi_k3", str(out), "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    assert str(out) in captured.out
+    assert captured.err.count("error") == 0
+    # The seed reaches the generator: same bytes as the library call with seed 3.
+    assert _files(out) == _files(seed3)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k3"
+
+
+def test_make_tiny_size_flags_reach_the_config(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    argv = [
+        "make-tiny", "kimi_k3", str(out), "--num-layers", "4", "--hidden-size", "64", "--num-experts", "8",
+        "--top-k", "2", "--latent-size", "32", "--moe-intermediate-size", "96", "--vocab-size", "400",
+    ]
+    assert main(argv) == 0
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["num_hidden_layers"], text["hidden_size"], text["num_experts"], text["num_experts_per_token"]) == (
+        4, 64, 8, 2)
+    assert (text["latent_moe_dim"], text["moe_intermediate_size"], text["vocab_size"]) == (32, 96, 400)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    experts = {m.groups() for k in weight_map if (m := re.search(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.", k))}
+    assert experts == {(str(i), str(e)) for i in range(1, 4) for e in range(8)}
+
+
+BAD_ARGS = [
+    (["--hidden-size", "100"], "hidden_size=100"),
+    (["--latent-size", "48"], "latent_size=48"),
+    (["--moe-intermediate-size", "40"], "moe_intermediate_size=40"),
+    (["--latent-size", "256"], "latent_size=256"),
+    (["--top-k", "17"], "top_k=17"),
+    (["--top-k", "0"], "top_k=0"),
+    (["--num-layers", "1"], "num_layers=1"),
+    (["--vocab-size", "100"], "vocab_size=100"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD_ARGS, ids=[n for _, n in BAD_ARGS])
+def test_make_tiny_bad_sizes_exit_2(tmp_path, capsys, extra, needle):
+    out = tmp_path / "ckpt"
+    assert main(["make-tiny", "kimi_k3", str(out), *extra]) == 2
+    captured = capsys.readouterr()
+    assert "error" in captured.err and needle in captured.err
+    assert needle not in captured.out
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_tiny_non_empty_dir_then_force(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "stray.txt").write_text("old")
+    assert main(["make-tiny", "kimi_k3", str(out), "--num-layers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--force" in err
+    assert _files(out) == {"stray.txt": b"old"}
+    assert main(["make-tiny", "kimi_k3", str(out), "--num-layers", "2", "--force"]) == 0
+    assert not (out / "stray.txt").exists()
+    assert (out / "config.json").is_file()
+
+
+def test_make_tiny_out_dir_is_a_file(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    out.write_text("x")
+    assert main(["make-tiny", "kimi_k3", str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "not a directory" in err
+    assert out.read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["make-tiny", "no_such_family", "OUT"],
+        ["make-tiny", "kimi_k3", "OUT", "--seed", "abc"],
+        ["make-tiny", "kimi_k3"],
+        [],
+    ],
+    ids=["unknown-family", "bad-seed", "missing-out", "no-command"],
+)
+def test_argparse_errors_exit_2(tmp_path, capsys, argv, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# entry points in subprocesses
+
+
+def test_python_m_make_tiny(tmp_path, seed3):
+    out = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelopt_ext", "make-tiny", "kimi_k3", str(out), "--seed", "3"],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(out) in proc.stdout
+    assert _files(out) == _files(seed3)
+
+
+def test_console_script_help(tmp_path):
+    script = Path(sys.prefix) / "bin" / "modelopt-ext"
+    assert script.is_file() and os.access(script, os.X_OK), script
+    proc = subprocess.run([str(script), "--help"], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "make-tiny" in proc.stdout and "forward" in proc.stdout
+    assert proc.stdout.startswith("usage: modelopt-ext")
+
+
+def test_make_tiny_help_lists_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["make-tiny", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--seed", "--num-layers", "--hidden-size", "--latent-size", "--moe-intermediate-size",
+                 "--num-experts", "--top-k", "--vocab-size", "--force", "kimi_k3"):
+        assert flag in out, flag
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+
+
+def test_forward_on_tiny_ckpt(tiny_ckpt, capsys):
+    assert main(["forward", str(tiny_ckpt)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    text = [line for line in lines if line.startswith("text:")]
+    both = [line for line in lines if line.startswith("text+image:")]
+    assert len(text) == 1 and len(both) == 1, lines
+    for line in text + both:
+        assert "finite" in line
+        assert re.search(r"logits \(1, \d+, 512\)", line), line
+    # The image adds positions: the text+image logits are longer than its input_ids.
+    ids_len, logit_len = map(int, re.search(r"input_ids \(1, (\d+)\) -> logits \(1, (\d+),", both[0]).groups())
+    assert logit_len > ids_len
+
