@@ -56,7 +56,31 @@ def _run_forward(args) -> int:
     return 0
 
 
-COMMANDS = {"make-tiny": (_add_make_tiny, _run_make_tiny), "forward": (_add_forward, _run_forward)}
+def _add_lock(sub) -> None:
+    p = sub.add_parser(
+        "lock-remote-code",
+        help="record the sha256 of a checkpoint's remote code that you have reviewed, as a lock file",
+    )
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True, help="lock file to write (pass it as remote_code_lock / --remote-code-lock)")
+    p.add_argument("--revision", default="reviewed-local", help="label recorded with the lock")
+
+
+def _run_lock(args) -> int:
+    from modelopt_ext.lock import write_lock
+
+    lock = write_lock(args.checkpoint, args.out, args.revision)
+    for name, digest in lock.files.items():
+        print(f"{digest}  {name}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+COMMANDS = {
+    "make-tiny": (_add_make_tiny, _run_make_tiny),
+    "forward": (_add_forward, _run_forward),
+    "lock-remote-code": (_add_lock, _run_lock),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

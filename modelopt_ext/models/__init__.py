@@ -1,1 +1,3 @@
-"""Model families: one folder per family, each with its stand-in and (later) its adapter."""
+"""Model families: one folder per family; importing this package registers the built-in families."""
+
+from modelopt_ext.models.kimi_k3 import spec as _kimi_k3_spec  # noqa: F401  (registers the family)

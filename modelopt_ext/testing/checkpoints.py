@@ -16,3 +16,26 @@ def tiny_kimi_k3(root: Path, seed: int = 0, sizes: TinySizes = TinySizes()) -> P
     if not (out / "config.json").exists():
         make_tiny(out, seed=seed, sizes=sizes, force=True)
     return out
+
+
+def copy_checkpoint(src: Path, root: Path, name: str) -> Path:
+    """Copy a checkpoint to `root/name`. transformers names a checkpoint's remote-code module after the
+    folder's base name and the code's hash, so a copy under a new name gets its own, unpatched module."""
+    import shutil
+
+    dst = Path(root) / name
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; use a fresh name so the copy gets its own remote-code module")
+    shutil.copytree(src, dst)
+    return dst
+
+
+def remote_module(checkpoint: Path, file_stem: str):
+    """The loaded remote-code module `file_stem` of `checkpoint`, or None if it was never imported."""
+    import sys
+
+    base = Path(checkpoint).name  # callers use plain identifiers, which transformers keeps as they are
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers_modules.") and f".{base}." in name and name.endswith("." + file_stem):
+            return module
+    return None

@@ -1,0 +1,108 @@
+"""Model-family registry: a frozen spec per family, found by the checkpoint's `model_type`.
+
+A family plugs in with data (plans, exclusions, floors, converters) and one `load` entry point; nothing
+outside `modelopt_ext/models/<family>/` names a family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    """Everything modelopt_ext knows about one model family.
+
+    Attributes:
+        name: family name used on the command line (`make-tiny NAME`).
+        model_types: top-level `config.json` model_type values this family owns.
+        text_model_type: model_type of the nested text config, checked when given.
+        revision: the pinned upstream revision the remote-code lock describes.
+        remote_code_lock: path of the bundled lock JSON (file name -> sha256).
+        min_versions: distribution name -> lowest supported version.
+        ep_plan: module/parameter FQN glob -> transformers EP style (data for the EP runtime).
+        quantizer_exclusions: config -> quantizer name globs that must stay unquantized.
+        converters: expert storage ("mxfp4" | "dense") -> transformers weight transforms.
+        load: `load(path, **from_pretrained_kwargs)` -> model; validates everything before mutating.
+        make_tiny: generator of the family's stand-in checkpoint, if it has one.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    text_model_type: str | None
+    revision: str
+    remote_code_lock: Path
+    min_versions: Mapping[str, str]
+    ep_plan: Mapping[str, str]
+    quantizer_exclusions: Callable[[Any], tuple[str, ...]]
+    converters: Callable[[str], list]
+    load: Callable[..., Any]
+    make_tiny: Callable[..., Path] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "min_versions", MappingProxyType(dict(self.min_versions)))
+        object.__setattr__(self, "ep_plan", MappingProxyType(dict(self.ep_plan)))
+
+
+_FAMILIES: dict[str, FamilySpec] = {}
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Register `spec` under each of its model types; registering the same spec again is a no-op."""
+    for model_type in spec.model_types:
+        existing = _FAMILIES.get(model_type)
+        if existing is not None and existing is not spec:
+            raise ValueError(f"model_type {model_type!r} is already registered by family {existing.name!r}")
+    for model_type in spec.model_types:
+        _FAMILIES[model_type] = spec
+    return spec
+
+
+def _ensure_builtin_families() -> None:
+    importlib.import_module("modelopt_ext.models")
+
+
+def families() -> dict[str, FamilySpec]:
+    """Registered families by name."""
+    _ensure_builtin_families()
+    return {spec.name: spec for spec in _FAMILIES.values()}
+
+
+def family_for_config(config: Mapping[str, Any], source: str = "config.json") -> FamilySpec:
+    """The family owning a `config.json` mapping; raises ValueError naming the model_type otherwise."""
+    _ensure_builtin_families()
+    model_type = config.get("model_type")
+    spec = _FAMILIES.get(model_type)
+    if spec is None:
+        known = ", ".join(sorted(_FAMILIES)) or "none"
+        raise ValueError(f"{source}: model_type {model_type!r} has no modelopt_ext family (known: {known})")
+    if spec.text_model_type is not None:
+        text_type = (config.get("text_config") or {}).get("model_type")
+        if text_type != spec.text_model_type:
+            raise ValueError(
+                f"{source}: text_config.model_type is {text_type!r}, family {spec.name!r} expects {spec.text_model_type!r}"
+            )
+    return spec
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """`config.json` of a checkpoint folder, with errors that name the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} is missing: not a transformers checkpoint folder")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
+    return config

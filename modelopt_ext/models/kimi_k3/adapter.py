@@ -1,0 +1,152 @@
+"""Kimi-K3 adapter: validate a checkpoint, then patch its own remote-code classes, then load it.
+
+Order matters: every check (path, trust, config, quantization format, remote-code lock, version floors,
+classes to patch, KDA kernels) runs before anything is mutated, and remote code is only imported once
+its files match the lock. Patches land on the module objects of that checkpoint only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from modelopt_ext.families import read_config
+from modelopt_ext.lock import check_remote_code, load_lock
+from modelopt_ext.versions import check_min_versions
+
+from .cache import KimiHybridCache
+from .convert import scoped_conversion_mapping
+from .kda import apply_kda_patch, plan_kda_patch
+from .patch import apply_patches, expert_storage, missing_classes
+from .spec import KIMI_K3
+
+logger = logging.getLogger(__name__)
+
+MM_CLASS_REF = "modeling_kimi_k3.KimiK3ForConditionalGeneration"
+# Keyword arguments the adapter decides itself.
+RESERVED_KWARGS = ("config", "quantization_config", "output_loading_info")
+_LOAD_LOCK = threading.Lock()
+
+
+class CheckpointError(ValueError):
+    """The checkpoint or the call cannot be adapted; nothing was patched."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What `prepare` validated: the classes to load and how experts are stored."""
+
+    path: Path
+    model_class: type
+    text_module: ModuleType
+    mm_module: ModuleType
+    storage: str  # "mxfp4" | "dense"
+    quantization_config: dict | None
+
+
+def expert_storage_of(config: dict[str, Any], source: str) -> str:
+    """"mxfp4" for the upstream compressed-tensors MXFP4 experts, "dense" without a quantization config."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return "dense"
+    groups = qc.get("config_groups") or {}
+    weights = [g.get("weights") or {} for g in groups.values()]
+    ok = (
+        qc.get("quant_method") == "compressed-tensors"
+        and qc.get("format") == "mxfp4-pack-quantized"
+        and len(weights) == 1
+        and weights[0].get("num_bits") == 4
+        and weights[0].get("type") == "float"
+        and weights[0].get("group_size") == 32
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{source}: quantization_config (quant_method={qc.get('quant_method')!r}, format={qc.get('format')!r}) "
+            "is not the upstream compressed-tensors mxfp4-pack-quantized (4-bit float, group 32) format"
+        )
+    return "mxfp4"
+
+
+def _check_call(path: Path, kwargs: dict[str, Any]) -> None:
+    if not kwargs.get("trust_remote_code"):
+        raise CheckpointError(
+            f"{path} ships remote code (Kimi-K3); pass trust_remote_code=True. It runs only if its files "
+            "match the pinned revision's lock."
+        )
+    reserved = [k for k in RESERVED_KWARGS if k in kwargs]
+    if reserved:
+        raise CheckpointError(f"from_pretrained arguments {reserved} are set by modelopt_ext and cannot be passed")
+
+
+def _remote_modules(path: Path, kwargs: dict[str, Any]) -> tuple[type, ModuleType, ModuleType]:
+    model_class = get_class_from_dynamic_module(MM_CLASS_REF, str(path), local_files_only=True)
+    mm_module = sys.modules[model_class.__module__]
+    text_cls = mm_module.__dict__.get("KimiLinearForCausalLM")
+    if text_cls is None:
+        raise CheckpointError(f"{mm_module.__name__} does not import KimiLinearForCausalLM")
+    text_module = sys.modules[text_cls.__module__]
+    return model_class, text_module, mm_module
+
+
+def prepare(path: str | Path, remote_code_lock: str | Path | None = None, **kwargs) -> Prepared:
+    """Run every check; import the (locked) remote code; return what to patch. Mutates nothing."""
+    path = Path(path)
+    config = read_config(path)
+    _check_call(path, kwargs)
+    source = str(path / "config.json")
+    auto_ref = (config.get("auto_map") or {}).get("AutoModelForCausalLM")
+    if auto_ref != MM_CLASS_REF:
+        raise CheckpointError(f"{source}: auto_map.AutoModelForCausalLM is {auto_ref!r}, expected {MM_CLASS_REF!r}")
+    storage = expert_storage_of(config, source)
+    lock = load_lock(Path(remote_code_lock) if remote_code_lock is not None else KIMI_K3.remote_code_lock)
+    check_remote_code(path, lock)
+    check_min_versions(KIMI_K3.min_versions, optional=frozenset({"fla-core"}))
+    model_class, text_module, mm_module = _remote_modules(path, kwargs)
+    missing = missing_classes(text_module, mm_module)
+    if missing:
+        raise CheckpointError(f"the checkpoint's remote code lacks the classes the adapter patches: {missing}")
+    return Prepared(path, model_class, text_module, mm_module, storage, config.get("quantization_config"))
+
+
+def _strict_loading_info(info: dict[str, Any], path: Path) -> None:
+    problems = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems = {k: v for k, v in problems.items() if v}
+    if problems or info.get("error_msgs"):
+        raise CheckpointError(f"loading {path} left keys unmapped: {problems} {info.get('error_msgs') or ''}")
+
+
+def load(path: str | Path, *, remote_code_lock: str | Path | None = None, **kwargs):
+    """Validate, patch and load a Kimi-K3 checkpoint; returns `KimiK3ForConditionalGeneration`.
+
+    Keyword arguments are transformers' `from_pretrained` ones (`dtype`, `device_map`, `trust_remote_code`,
+    `experts_implementation`, ...); `remote_code_lock` names a lock recorded with `modelopt-ext
+    lock-remote-code` for reviewed code that differs from the pinned revision.
+    """
+    prepared = prepare(path, remote_code_lock=remote_code_lock, **kwargs)
+    device = str(kwargs.get("device_map") or "cpu")
+    kda_plan = plan_kda_patch(prepared.text_module, device_type="cuda" if "cuda" in device else "cpu")
+    with _LOAD_LOCK:
+        apply_patches(prepared.text_module, prepared.mm_module, KimiHybridCache)
+        apply_kda_patch(prepared.text_module, kda_plan)
+        config = prepared.model_class.config_class.from_pretrained(str(prepared.path))
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the adapter reads the MXFP4 experts itself
+        converters = KIMI_K3.converters(prepared.storage)
+        with scoped_conversion_mapping(prepared.model_class.__name__, converters), expert_storage(prepared.storage):
+            model, info = prepared.model_class.from_pretrained(
+                str(prepared.path), config=config, output_loading_info=True, **kwargs
+            )
+    _strict_loading_info(info, prepared.path)
+    # As the Auto classes do: save_pretrained then copies the (unmodified) remote-code files.
+    prepared.model_class.register_for_auto_class("AutoModelForCausalLM")
+    if prepared.quantization_config is not None:
+        model.config.quantization_config = prepared.quantization_config
+    logger.info("loaded %s (%s experts) from %s", type(model).__name__, prepared.storage, prepared.path)
+    return model.eval()

@@ -1,0 +1,136 @@
+"""Fused routed experts of Kimi-K3, driven by transformers' experts-implementation mechanism.
+
+Shapes: T routed tokens, k top-k, E experts (local experts under EP), L latent width (the experts' model
+width, `latent_moe_dim`), I expert width (`moe_intermediate_size`), B packed bytes (= in_features / 2),
+G scale groups (= in_features / 32).
+
+Layout (transformers' fused convention, not transposed): `gate_up_proj` [E, 2I, L] holds each expert's
+w1 rows first, then its w3 rows; `down_proj` [E, L, I] holds w2. The gate is SiTU-GLU in fp32.
+
+Two storage classes share that interface:
+- `KimiK3Experts`: dense floating-point parameters (built from a config; trainable).
+- `KimiK3PackedExperts`: the checkpoint's MXFP4 bytes kept as they are (`*_packed` uint8 [E, R, B],
+  `*_scale` uint8 E8M0 [E, R, G]); `gate_up_proj` / `down_proj` are dequantized on access, and inside
+  `materialized(...)` exactly once per forward, so every GEMM of that forward reads views of one
+  transient tensor (which is also what ModelOpt's fused-expert quantizer needs to recover expert ids from
+  storage offsets). Resident expert memory is the packed size (4.25 bits per weight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.integrations.moe import use_experts_implementation
+
+from modelopt_ext.formats.mxfp4 import GROUP_SIZE, dequantize_mxfp4
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU in fp32, cast back: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`."""
+    g, u = gate.float(), up.float()
+    act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return act.to(gate.dtype)
+
+
+class _FusedExpertsBase(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.latent_moe_dim
+        self.intermediate_dim = config.moe_intermediate_size
+        self.situ_beta = config.activation_situ_beta
+        self.situ_linear_beta = config.activation_situ_linear_beta
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        """[S, 2I] -> [S, I]: SiTU-GLU of the w1 half and the w3 half."""
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return situ_glu(gate, up, self.situ_beta, self.situ_linear_beta)
+
+    @contextlib.contextmanager
+    def materialized(self, dtype: torch.dtype):
+        """Weights readable as floating point of `dtype` for the duration of one forward."""
+        yield
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Eager reference: one `F.linear` pair per expert that received tokens.
+
+        Args:
+            hidden_states: [T, L]; top_k_index: [T, k] int64 expert ids in [0, E) (ids >= E are EP sentinels
+                and are skipped); top_k_weights: [T, k] routing weights (fp32 keeps upstream's accumulation).
+        Returns:
+            [T, L] in hidden_states' dtype; weighted sums are accumulated in fp32.
+        """
+        T, L = hidden_states.shape
+        out_TL = torch.zeros(T, L, dtype=torch.float32, device=hidden_states.device)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        with torch.no_grad():
+            mask_EkT = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = mask_EkT[: self.num_experts].sum(dim=(1, 2)).nonzero().flatten().tolist()
+        for e in hit:
+            k_pos, token_idx = torch.where(mask_EkT[e])
+            h = self._apply_gate(F.linear(hidden_states[token_idx], gate_up[e]))
+            y = F.linear(h, down[e]) * top_k_weights[token_idx, k_pos, None]
+            out_TL.index_add_(0, token_idx, y.float())
+        return out_TL.to(hidden_states.dtype)
+
+
+@use_experts_implementation(has_gate=True)
+class KimiK3Experts(_FusedExpertsBase):
+    """Dense fused experts: `gate_up_proj` [E, 2I, L] and `down_proj` [E, L, I] parameters."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        E, L, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, L))
+        self.down_proj = nn.Parameter(torch.empty(E, L, I))
+        std = getattr(config, "initializer_range", 0.02)
+        nn.init.normal_(self.gate_up_proj, std=std)
+        nn.init.normal_(self.down_proj, std=std)
+
+
+@use_experts_implementation(has_gate=True)
+class KimiK3PackedExperts(_FusedExpertsBase):
+    """MXFP4-packed fused experts; `gate_up_proj` / `down_proj` are dequantized views (see module doc)."""
+
+    PACKED = ("gate_up_proj", "down_proj")
+
+    def __init__(self, config):
+        super().__init__(config)
+        E, L, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        for name, (rows, cols) in (("gate_up_proj", (2 * I, L)), ("down_proj", (L, I))):
+            if cols % GROUP_SIZE:
+                raise ValueError(f"{name} input width {cols} is not a multiple of the MXFP4 group size {GROUP_SIZE}")
+            packed = torch.zeros(E, rows, cols // 2, dtype=torch.uint8)
+            scale = torch.zeros(E, rows, cols // GROUP_SIZE, dtype=torch.uint8)
+            self.register_parameter(f"{name}_packed", nn.Parameter(packed, requires_grad=False))
+            self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        self.dequant_dtype = torch.get_default_dtype()
+        self._materialized: dict[str, torch.Tensor] = {}
+
+    def _dequantized(self, name: str) -> torch.Tensor:
+        if name in self._materialized:
+            return self._materialized[name]
+        return dequantize_mxfp4(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), self.dequant_dtype)
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self._dequantized("gate_up_proj")
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self._dequantized("down_proj")
+
+    @contextlib.contextmanager
+    def materialized(self, dtype: torch.dtype):
+        saved = self.dequant_dtype
+        self.dequant_dtype = dtype
+        try:
+            for name in self.PACKED:
+                self._materialized[name] = self._dequantized(name)
+            yield
+        finally:
+            self._materialized.clear()
+            self.dequant_dtype = saved
