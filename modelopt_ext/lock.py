@@ -33,13 +33,17 @@ def remote_code_files(checkpoint: Path) -> dict[str, str]:
 
 
 def load_lock(path: Path) -> RemoteCodeLock:
+    expected = 'expected {"revision": str, "files": {name: sha256 hex}}'
     try:
         data = json.loads(Path(path).read_text())
-        lock = RemoteCodeLock(revision=str(data["revision"]), files=dict(data["files"]), source=str(path))
+        revision, files = data["revision"], data["files"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"remote-code lock {path} is unreadable or malformed ({e}); expected "
-                         '{"revision": str, "files": {name: sha256}}') from e
-    return lock
+        raise ValueError(f"remote-code lock {path} is unreadable or malformed ({e}); {expected}") from e
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in files.items()
+    ):
+        raise ValueError(f"remote-code lock {path}: 'files' is malformed; {expected}")
+    return RemoteCodeLock(revision=str(revision), files=dict(files), source=str(path))
 
 
 def check_remote_code(checkpoint: Path, lock: RemoteCodeLock) -> None:

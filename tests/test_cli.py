@@ -178,3 +178,71 @@ def test_forward_on_tiny_ckpt(tiny_ckpt, capsys):
     ids_len, logit_len = map(int, re.search(r"input_ids \(1, (\d+)\) -> logits \(1, (\d+),", both[0]).groups())
     assert logit_len > ids_len
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# lock-remote-code
+
+
+def test_lock_remote_code_writes_a_usable_lock(tmp_path, capsys):
+    import hashlib
+
+    from modelopt_ext.lock import check_remote_code, load_lock
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    sources = {"modeling_x.py": b"X = 1\n", "configuration_x.py": b"C = 2\n"}
+    for name, data in sources.items():
+        (ckpt / name).write_bytes(data)
+    (ckpt / "config.json").write_text("{}")
+    out = tmp_path / "locks" / "x.lock.json"
+    assert main(["lock-remote-code", str(ckpt), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in sources.items()}
+    for name, digest in digests.items():
+        assert f"{digest}  {name}" in stdout.splitlines()
+    assert str(out) in stdout
+    lock = load_lock(out)
+    assert dict(lock.files) == digests and lock.revision == "reviewed-local"
+    check_remote_code(ckpt, lock)  # accepted
+    # a later edit is caught by the recorded lock
+    (ckpt / "modeling_x.py").write_bytes(b"X = 2\n")
+    with pytest.raises(ValueError, match="modeling_x.py"):
+        check_remote_code(ckpt, lock)
+
+
+def test_lock_remote_code_revision_label(tmp_path, capsys):
+    from modelopt_ext.lock import load_lock
+
+    (tmp_path / "m.py").write_text("")
+    out = tmp_path / "l.json"
+    assert main(["lock-remote-code", str(tmp_path), "--out", str(out), "--revision", "abc123"]) == 0
+    assert load_lock(out).revision == "abc123"
+
+
+def test_lock_remote_code_of_the_tiny_checkpoint_is_the_bundled_lock(tiny_ckpt, tmp_path, capsys):
+    from modelopt_ext.lock import load_lock
+    from modelopt_ext.models.kimi_k3.spec import LOCK_FILE
+
+    out = tmp_path / "tiny.lock.json"
+    assert main(["lock-remote-code", str(tiny_ckpt), "--out", str(out)]) == 0
+    assert dict(load_lock(out).files) == dict(load_lock(LOCK_FILE).files)
+
+
+def test_lock_remote_code_without_out_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "m.py").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["lock-remote-code", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--out" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.py"]
+
+
+def test_lock_remote_code_folder_without_py_exits_2(tmp_path, capsys):
+    ckpt = tmp_path / "weights"
+    ckpt.mkdir()
+    out = tmp_path / "l.json"
+    assert main(["lock-remote-code", str(ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "lock-remote-code" in err and str(ckpt) in err
+    assert not out.exists()

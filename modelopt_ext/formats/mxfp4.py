@@ -73,15 +73,8 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
-def e8m0_to_float(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode E8M0 scale bytes to ``2 ** (s - 127)``, exactly (built from float64 bits).
-
-    Args:
-        scale: uint8 ``[...]``; the NaN byte 255 is refused.
-        dtype: output dtype (values outside its range become 0 or inf on the cast).
-    Returns:
-        ``[...]`` tensor of powers of two in ``dtype``.
-    """
+def check_scales(scale: torch.Tensor) -> None:
+    """Refuse the E8M0 NaN byte 255 (one host sync: do it once per tensor, not per GEMM)."""
     _require_uint8("scale", scale)
     bad = scale == 255
     if bool(bad.any()):
@@ -90,6 +83,22 @@ def e8m0_to_float(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
             f"scale contains {int(bad.sum())} byte(s) equal to 255 (E8M0 NaN, reserved), "
             f"first at index {first}; expected bytes in 0..254"
         )
+
+
+def e8m0_to_float(scale: torch.Tensor, dtype: torch.dtype = torch.float32, validate: bool = True) -> torch.Tensor:
+    """Decode E8M0 scale bytes to ``2 ** (s - 127)``, exactly (built from float64 bits).
+
+    Args:
+        scale: uint8 ``[...]``; the NaN byte 255 is refused when ``validate``.
+        dtype: output dtype (values outside its range become 0 or inf on the cast).
+        validate: check for byte 255 (a host sync); pass False on hot paths whose scales were checked
+            once with ``check_scales``.
+    Returns:
+        ``[...]`` tensor of powers of two in ``dtype``.
+    """
+    _require_uint8("scale", scale)
+    if validate:
+        check_scales(scale)
     # float64 exponent field = (s - 127) + 1023 is always a normal number for s in 0..254.
     bits_f64 = (scale.to(torch.int64) + (1023 - SCALE_BIAS)) << 52
     return bits_f64.view(torch.float64).to(dtype)
@@ -139,8 +148,19 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes_GK.reshape(*lead, c)), scale_G
 
 
+_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """E2M1_VALUES on `device`, copied once: a host-to-device copy per call would synchronise the stream."""
+    key = (device, dtype)
+    if key not in _TABLES:
+        _TABLES[key] = E2M1_VALUES.to(device=device, dtype=dtype)
+    return _TABLES[key]
+
+
 def dequantize_mxfp4(
-    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, validate: bool = True
 ) -> torch.Tensor:
     """Decode MXFP4: ``E2M1_VALUES[code] * 2 ** (s - 127)``.
 
@@ -150,6 +170,8 @@ def dequantize_mxfp4(
         packed: uint8 ``[..., B]`` (``2 * B`` a multiple of 32).
         scale: uint8 ``[..., 2 * B // 32]``, same leading dims as ``packed``.
         dtype: floating output dtype.
+        validate: refuse scale byte 255 and warn on overflow (host syncs); False on hot paths whose
+            scales were checked once with ``check_scales``.
     Returns:
         ``[..., 2 * B]`` tensor in ``dtype``.
     """
@@ -168,9 +190,9 @@ def dequantize_mxfp4(
             f"packed [..., {packed.shape[-1]}] needs scale [..., {c // GROUP_SIZE}], i.e. {want}"
         )
     wd = _compute_dtype(dtype)
-    vals_C = E2M1_VALUES.to(device=packed.device, dtype=wd)[unpack_e2m1(packed).long()]
-    vals_GK = vals_C.reshape(*want, GROUP_SIZE) * e8m0_to_float(scale, wd).unsqueeze(-1)
+    vals_C = _e2m1_table(packed.device, wd)[unpack_e2m1(packed).long()]
+    vals_GK = vals_C.reshape(*want, GROUP_SIZE) * e8m0_to_float(scale, wd, validate).unsqueeze(-1)
     out = vals_GK.reshape(*packed.shape[:-1], c).to(dtype)
-    if not bool(torch.isfinite(out).all()):
+    if validate and not bool(torch.isfinite(out).all()):
         logger.warning("MXFP4 dequantization overflowed %s; some values are inf", dtype)
     return out

@@ -23,6 +23,7 @@ from modelopt_ext.versions import check_min_versions
 
 from .cache import KimiHybridCache
 from .convert import scoped_conversion_mapping
+from .experts import KimiK3PackedExperts
 from .kda import apply_kda_patch, plan_kda_patch
 from .patch import apply_patches, expert_storage, missing_classes
 from .spec import KIMI_K3
@@ -144,6 +145,9 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, **kwar
                 str(prepared.path), config=config, output_loading_info=True, **kwargs
             )
     _strict_loading_info(info, prepared.path)
+    for module in model.modules():
+        if isinstance(module, KimiK3PackedExperts):
+            module.check_scales()
     # As the Auto classes do: save_pretrained then copies the (unmodified) remote-code files.
     prepared.model_class.register_for_auto_class("AutoModelForCausalLM")
     if prepared.quantization_config is not None:

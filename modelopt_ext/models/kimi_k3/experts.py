@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
 
-from modelopt_ext.formats.mxfp4 import GROUP_SIZE, dequantize_mxfp4
+from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -58,8 +58,8 @@ class _FusedExpertsBase(nn.Module):
         """Eager reference: one `F.linear` pair per expert that received tokens.
 
         Args:
-            hidden_states: [T, L]; top_k_index: [T, k] int64 expert ids in [0, E) (ids >= E are EP sentinels
-                and are skipped); top_k_weights: [T, k] routing weights (fp32 keeps upstream's accumulation).
+            hidden_states: [T, L]; top_k_index: [T, k] int64 expert ids in [0, E], where E itself is the EP
+                sentinel (a slot routed to another rank) and is skipped; top_k_weights: [T, k] routing weights (fp32 keeps upstream's accumulation).
         Returns:
             [T, L] in hidden_states' dtype; weighted sums are accumulated in fp32.
         """
@@ -110,10 +110,16 @@ class KimiK3PackedExperts(_FusedExpertsBase):
         self.dequant_dtype = torch.get_default_dtype()
         self._materialized: dict[str, torch.Tensor] = {}
 
+    def check_scales(self) -> None:
+        """Refuse NaN scale bytes once (after loading), so forwards can dequantize without host syncs."""
+        for name in self.PACKED:
+            check_scales(getattr(self, f"{name}_scale"))
+
     def _dequantized(self, name: str) -> torch.Tensor:
         if name in self._materialized:
             return self._materialized[name]
-        return dequantize_mxfp4(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), self.dequant_dtype)
+        packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+        return dequantize_mxfp4(packed, scale, self.dequant_dtype, validate=False)
 
     @property
     def gate_up_proj(self) -> torch.Tensor:
@@ -125,12 +131,18 @@ class KimiK3PackedExperts(_FusedExpertsBase):
 
     @contextlib.contextmanager
     def materialized(self, dtype: torch.dtype):
-        saved = self.dequant_dtype
+        """Dequantize both projections once to `dtype` for the body. Nests: an inner context of the same
+        dtype reuses the outer tensors, another dtype materializes its own, and each exit restores what
+        the enclosing context had."""
+        saved_dtype, saved = self.dequant_dtype, dict(self._materialized)
+        reuse = saved_dtype == dtype and all(name in saved for name in self.PACKED)
         self.dequant_dtype = dtype
         try:
-            for name in self.PACKED:
-                self._materialized[name] = self._dequantized(name)
+            if not reuse:
+                self._materialized.clear()
+                for name in self.PACKED:
+                    self._materialized[name] = self._dequantized(name)
             yield
         finally:
-            self._materialized.clear()
-            self.dequant_dtype = saved
+            self._materialized = saved
+            self.dequant_dtype = saved_dtype
