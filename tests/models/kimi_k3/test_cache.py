@@ -2,27 +2,18 @@
 
 import pytest
 import torch
+
 from transformers.cache_utils import Cache
 
 from modelopt_ext.models.kimi_k3.cache import MIN_CAPACITY, KimiHybridCache
 from modelopt_ext.models.kimi_k3.standin import configuration_kimi_k3 as ck
 from modelopt_ext.models.kimi_k3.standin import modeling_kimi_linear as mkl
+from modelopt_ext.testing.configs import tiny_text_config
 
 B, H, DK, DV = 2, 3, 5, 4
 
 
-def _tiny_text_config(**overrides):
-    # the sizes of tests/models/kimi_k3/standin/test_modeling.py `_tiny_text_config`
-    base = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-        num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
-        latent_moe_dim=32, attn_res_block_size=2,
-        linear_attn_config={"full_attn_layers": [3], "kda_layers": [1, 2], "num_heads": 2, "head_dim": 8,
-                            "short_conv_kernel_size": 4, "use_full_rank_gate": True, "gate_lower_bound": -5.0},
-    )
-    base.update(overrides)
-    return ck.KimiLinearConfig(**base)
+_tiny_text_config = tiny_text_config
 
 
 def _hybrid_config():

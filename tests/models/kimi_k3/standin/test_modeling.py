@@ -13,6 +13,7 @@ from modelopt_ext.models.kimi_k3.standin import configuration_kimi_k3 as ck
 from modelopt_ext.models.kimi_k3.standin import modeling_kimi_linear as mkl
 from modelopt_ext.models.kimi_k3.standin.inputs import synthetic_image, text_image_inputs
 from modelopt_ext.models.kimi_k3.standin.smoke import load_unpatched
+from modelopt_ext.testing.configs import tiny_text_config
 
 
 @pytest.fixture(scope="module")
@@ -123,17 +124,7 @@ def test_cached_decode_matches_uncached_forward(model_fp32, tokenizer, monkeypat
         assert cache.value_cache[mla].shape[-2] == merged_len + steps
 
 
-def _tiny_text_config(**overrides):
-    base = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-        num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
-        latent_moe_dim=32, attn_res_block_size=2,
-        linear_attn_config={"full_attn_layers": [3], "kda_layers": [1, 2], "num_heads": 2, "head_dim": 8,
-                            "short_conv_kernel_size": 4, "use_full_rank_gate": True, "gate_lower_bound": -5.0},
-    )
-    base.update(overrides)
-    return ck.KimiLinearConfig(**base)
+_tiny_text_config = tiny_text_config
 
 
 def _random_moe_block(config, seed=0):
