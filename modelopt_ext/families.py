@@ -86,7 +86,8 @@ def family_for_config(config: Mapping[str, Any], source: str = "config.json") ->
         text_type = (config.get("text_config") or {}).get("model_type")
         if text_type != spec.text_model_type:
             raise ValueError(
-                f"{source}: text_config.model_type is {text_type!r}, family {spec.name!r} expects {spec.text_model_type!r}"
+                f"{source}: text_config.model_type is {text_type!r}, "
+                f"family {spec.name!r} expects {spec.text_model_type!r}"
             )
     return spec
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from modelopt_ext.cli import main
-from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
+from modelopt_ext.models.kimi_k3.standin.generate import make_tiny
 
 
 def _files(path: Path) -> dict[str, bytes]:

@@ -59,7 +59,8 @@ class _FusedExpertsBase(nn.Module):
 
         Args:
             hidden_states: [T, L]; top_k_index: [T, k] int64 expert ids in [0, E], where E itself is the EP
-                sentinel (a slot routed to another rank) and is skipped; top_k_weights: [T, k] routing weights (fp32 keeps upstream's accumulation).
+                sentinel (a slot routed to another rank) and is skipped; top_k_weights: [T, k] routing
+                weights (fp32 keeps upstream's accumulation).
         Returns:
             [T, L] in hidden_states' dtype; weighted sums are accumulated in fp32.
         """

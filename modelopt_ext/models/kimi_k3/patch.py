@@ -163,7 +163,9 @@ def plan_patches(text_module: ModuleType, mm_module: ModuleType, cache_cls: type
         (text_module, "KimiSparseMoeBlock", make_fused_block_class(text_module)),
         (text_module, "KimiDynamicCache", cache_cls),
     ]
-    for cls in (text_module.KimiLinearForCausalLM, text_module.KimiLinearModel, mm_module.KimiK3ForConditionalGeneration):
+    model_classes = (text_module.KimiLinearForCausalLM, text_module.KimiLinearModel,
+                     mm_module.KimiK3ForConditionalGeneration)
+    for cls in model_classes:
         plan += _shim_tie_weights(cls) + _shim_cache_keyword(cls)
     for cls in (text_module.KimiLinearForCausalLM, mm_module.KimiK3ForConditionalGeneration):
         plan += _shim_generation_cache(cls, cache_cls)

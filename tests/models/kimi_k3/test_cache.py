@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from transformers.cache_utils import Cache
 
 from modelopt_ext.models.kimi_k3.cache import MIN_CAPACITY, KimiHybridCache

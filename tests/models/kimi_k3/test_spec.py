@@ -18,7 +18,7 @@ from torch import nn
 from transformers.core_model_loading import apply_converters, dot_natural_key, revert_weight_conversion
 
 import modelopt_ext
-from modelopt_ext.families import family_for_config, families, read_config
+from modelopt_ext.families import families, family_for_config, read_config
 from modelopt_ext.lock import load_lock, remote_code_files
 from modelopt_ext.models.kimi_k3 import spec
 from modelopt_ext.models.kimi_k3.convert import expert_converters, scoped_conversion_mapping

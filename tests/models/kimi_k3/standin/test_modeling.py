@@ -9,7 +9,6 @@ from safetensors import safe_open
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4
-from modelopt_ext.models.kimi_k3.standin import configuration_kimi_k3 as ck
 from modelopt_ext.models.kimi_k3.standin import modeling_kimi_linear as mkl
 from modelopt_ext.models.kimi_k3.standin.inputs import synthetic_image, text_image_inputs
 from modelopt_ext.models.kimi_k3.standin.smoke import load_unpatched
