@@ -76,10 +76,39 @@ def _run_lock(args) -> int:
     return 0
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="resolve the distribution plan (EP degree, dense placement, memory per rank) from config.json"
+    )
+    p.add_argument("--model", required=True, help="checkpoint folder (reads config.json only) or bundled config name")
+    p.add_argument("--nproc", type=int, required=True, help="number of ranks (world size)")
+    p.add_argument("--ep", type=int, default=None, help="EP degree (default: --nproc)")
+    p.add_argument("--dense", choices=["replicate", "fsdp"], default=None, help="dense layers (default: automatic)")
+    p.add_argument("--device-memory-gib", type=float, default=None, help="memory of one device (default: detected)")
+    p.add_argument("--tokens-per-rank", type=int, default=4096, help="calibration tokens per rank and batch")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _run_plan(args) -> int:
+    import json
+
+    from modelopt_ext.plan import read_model_config, resolve_distribution_plan
+
+    config, _ = read_model_config(args.model)
+    memory = None if args.device_memory_gib is None else int(args.device_memory_gib * 2**30)
+    plan = resolve_distribution_plan(
+        config, args.nproc, ep_size=args.ep, dense=args.dense, device_memory_bytes=memory,
+        tokens_per_rank=args.tokens_per_rank,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())
+    return 0
+
+
 COMMANDS = {
     "make-tiny": (_add_make_tiny, _run_make_tiny),
     "forward": (_add_forward, _run_forward),
     "lock-remote-code": (_add_lock, _run_lock),
+    "plan": (_add_plan, _run_plan),
 }
 
 

@@ -31,6 +31,10 @@ class FamilySpec:
         converters: expert storage ("mxfp4" | "dense") -> transformers weight transforms.
         load: `load(path, **from_pretrained_kwargs)` -> model; validates everything before mutating.
         make_tiny: generator of the family's stand-in checkpoint, if it has one.
+        sizes: `sizes(config_json_mapping)` -> figures for distribution planning (parameter and byte counts,
+            widths; `modelopt_ext.plan.REQUIRED_SIZES` lists the keys), if the family can be planned.
+        bundled_configs: name -> config.json shipped with the package (e.g. the full-size model), usable
+            in place of a checkpoint folder where only the config is needed (`modelopt-ext plan`).
     """
 
     name: str
@@ -44,8 +48,11 @@ class FamilySpec:
     converters: Callable[[str], list]
     load: Callable[..., Any]
     make_tiny: Callable[..., Path] | None = None
+    sizes: Callable[[Mapping[str, Any]], Mapping[str, int]] | None = None
+    bundled_configs: Mapping[str, Path] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        object.__setattr__(self, "bundled_configs", MappingProxyType(dict(self.bundled_configs)))
         object.__setattr__(self, "min_versions", MappingProxyType(dict(self.min_versions)))
         object.__setattr__(self, "ep_plan", MappingProxyType(dict(self.ep_plan)))
 

@@ -246,3 +246,58 @@ def test_lock_remote_code_folder_without_py_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "lock-remote-code" in err and str(ckpt) in err
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# plan
+
+
+def test_plan_on_tiny_ckpt(tiny_ckpt, capsys):
+    assert main(["plan", "--model", str(tiny_ckpt), "--nproc", "4", "--device-memory-gib", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "kimi_k3 on 4 ranks: EP 4, dense replicate" in out
+    assert "16 per MoE layer, 4 per rank" in out and "read from disk" in out
+
+
+def test_plan_json_parses(tiny_ckpt, capsys):
+    argv = ["plan", "--model", str(tiny_ckpt), "--nproc", "8", "--ep", "4", "--device-memory-gib", "8", "--json",
+            "--tokens-per-rank", "128"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["world_size"], d["ep_size"], d["dense"], d["experts_per_rank"], d["tokens_per_rank"]) == (
+        8, 4, "fsdp", 4, 128)
+    assert d["device_memory_bytes"] == 8 * 2**30
+
+
+def test_plan_kimi_k3_ep64_on_h200(capsys):
+    assert main(["plan", "--model", "kimi-k3", "--nproc", "64", "--device-memory-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "EP 64, dense fsdp" in out and "14 per rank" in out
+    assert "dense replicate needs" in out  # replicated dense does not fit beside the experts
+    experts = re.search(r"experts resident \(mxfp4\)\s+([\d.]+)\s+([\d.]+)", out)
+    assert experts and 21 <= float(experts.group(2)) <= 25, out  # GB per rank
+    assert re.search(r"read from disk\s+[\d.]+\s+2[2-6]\.\d", out), out
+    assert "fsdp_size=64, ep_size=64" in out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--nproc", "4", "--ep", "3"], "world_size (4) is not divisible by the EP degree (3)"),
+        (["--nproc", "32"], "num_experts (16) is not divisible by the EP degree (32)"),
+        (["--nproc", "8", "--ep", "4", "--dense", "replicate"], "EP degree (4) to equal world_size (8)"),
+        (["--nproc", "4", "--device-memory-gib", "0.001"], "parts that cannot be placed"),
+    ],
+    ids=["ep-mod", "experts-mod", "replicate-ep", "no-fit"],
+)
+def test_plan_bad_arguments_exit_2(tiny_ckpt, capsys, argv, needle):
+    assert main(["plan", "--model", str(tiny_ckpt), *argv]) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err and "modelopt-ext plan: error" in captured.err
+    assert captured.out == ""
+
+
+def test_plan_unknown_model_exits_2(tmp_path, capsys):
+    assert main(["plan", "--model", str(tmp_path / "nothing"), "--nproc", "8"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "nothing") in err and "kimi-k3" in err

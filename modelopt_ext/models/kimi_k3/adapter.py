@@ -7,6 +7,7 @@ its files match the lock. Patches land on the module objects of that checkpoint 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import sys
@@ -15,8 +16,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
+from modelopt_ext.ep.sharding import count_checkpoint_reads, localize_replicated_params
 from modelopt_ext.families import read_config
 from modelopt_ext.lock import check_remote_code, load_lock
 from modelopt_ext.versions import check_min_versions
@@ -26,7 +29,7 @@ from .convert import scoped_conversion_mapping
 from .experts import KimiK3PackedExperts
 from .kda import apply_kda_patch, plan_kda_patch
 from .patch import apply_patches, expert_storage, missing_classes
-from .spec import KIMI_K3
+from .spec import EXPERTS_GLOB, KIMI_K3
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +126,29 @@ def _strict_loading_info(info: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"loading {path} left keys unmapped: {problems} {info.get('error_msgs') or ''}")
 
 
-def load(path: str | Path, *, remote_code_lock: str | Path | None = None, **kwargs):
+def _distributed_config(prepared: Prepared, config, plan):
+    """transformers' DistributedConfig for `plan`, with plans named after a meta-device build of the model."""
+    from transformers import DistributedConfig
+
+    from modelopt_ext.ep.sharding import replicate_tp_plan, select_ep_plan
+
+    with torch.device("meta"), expert_storage(prepared.storage):
+        meta_model = prepared.model_class(copy.deepcopy(config))
+    ep_plan = select_ep_plan(KIMI_K3.ep_plan, meta_model)
+    kwargs = plan.distributed_config_kwargs()
+    if plan.dense == "replicate":
+        kwargs["tp_plan"] = replicate_tp_plan(meta_model, ep_plan)
+    return DistributedConfig(**kwargs, ep_plan=ep_plan)
+
+
+def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distribution_plan=None, **kwargs):
     """Validate, patch and load a Kimi-K3 checkpoint; returns `KimiK3ForConditionalGeneration`.
 
     Keyword arguments are transformers' `from_pretrained` ones (`dtype`, `device_map`, `trust_remote_code`,
     `experts_implementation`, ...); `remote_code_lock` names a lock recorded with `modelopt-ext
-    lock-remote-code` for reviewed code that differs from the pinned revision.
+    lock-remote-code` for reviewed code that differs from the pinned revision. With a `distribution_plan`
+    (from `modelopt_ext.plan`, inside an initialised process group) the experts are sharded across the EP
+    ranks as the checkpoint is read; each rank reads only its own experts' bytes.
     """
     prepared = prepare(path, remote_code_lock=remote_code_lock, **kwargs)
     device = str(kwargs.get("device_map") or "cpu")
@@ -139,12 +159,23 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, **kwar
         config = prepared.model_class.config_class.from_pretrained(str(prepared.path))
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the adapter reads the MXFP4 experts itself
+        if distribution_plan is not None:
+            kwargs["distributed_config"] = _distributed_config(prepared, config, distribution_plan)
         converters = KIMI_K3.converters(prepared.storage)
-        with scoped_conversion_mapping(prepared.model_class.__name__, converters), expert_storage(prepared.storage):
+        with (
+            scoped_conversion_mapping(prepared.model_class.__name__, converters),
+            expert_storage(prepared.storage),
+            count_checkpoint_reads([f"{EXPERTS_GLOB}.*"]) as reads,
+        ):
             model, info = prepared.model_class.from_pretrained(
                 str(prepared.path), config=config, output_loading_info=True, **kwargs
             )
     _strict_loading_info(info, prepared.path)
+    if distribution_plan is not None and distribution_plan.dense == "replicate":
+        localize_replicated_params(model)
+    model.modelopt_ext_bytes_read = dict(reads.by_group)
+    logger.info("read %s bytes of the checkpoint (%s)", f"{reads.total:,}",
+                ", ".join(f"{k} {v:,}" for k, v in sorted(reads.by_group.items())))
     for module in model.modules():
         if isinstance(module, KimiK3PackedExperts):
             module.check_scales()

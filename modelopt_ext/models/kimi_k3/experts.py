@@ -11,7 +11,7 @@ Two storage classes share that interface:
 - `KimiK3Experts`: dense floating-point parameters (built from a config; trainable).
 - `KimiK3PackedExperts`: the checkpoint's MXFP4 bytes kept as they are (`*_packed` uint8 [E, R, B],
   `*_scale` uint8 E8M0 [E, R, G]); `gate_up_proj` / `down_proj` are dequantized on access, and inside
-  `materialized(...)` exactly once per forward, so every GEMM of that forward reads views of one
+  `materialized(...)` (entered by its forward) exactly once per forward, so every GEMM of it reads views of one
   transient tensor (which is also what ModelOpt's fused-expert quantizer needs to recover expert ids from
   storage offsets). Resident expert memory is the packed size (4.25 bits per weight).
 """
@@ -19,6 +19,7 @@ Two storage classes share that interface:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -147,3 +148,17 @@ class KimiK3PackedExperts(_FusedExpertsBase):
         finally:
             self._materialized = saved
             self.dequant_dtype = saved_dtype
+
+
+_dispatch_experts_forward = KimiK3PackedExperts.forward
+
+
+def _packed_forward(self, hidden_states, top_k_index, top_k_weights):
+    # Materialize inside the experts' own forward, wherever it is called from (the block, an EP
+    # implementation holding local shards of the packed parameters, ModelOpt's quantized wrapper), so the
+    # dequantized weights always match the parameters the caller's context exposes.
+    with self.materialized(hidden_states.dtype):
+        return _dispatch_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+KimiK3PackedExperts.forward = functools.wraps(_dispatch_experts_forward)(_packed_forward)

@@ -1,4 +1,4 @@
-"""The Kimi-K3 family spec: pinned revision, remote-code lock, EP plan, exclusions, floors, converters."""
+"""The Kimi-K3 family spec: pinned revision, remote-code lock, EP plan, exclusions, floors, converters, sizes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from modelopt_ext.families import FamilySpec, register_family
 
 from .convert import expert_converters
+from .sizes import BUNDLED_CONFIG, plan_sizes
 
 # Moonshot's pinned revision of Kimi-K3. The bundled lock records the stand-in's remote-code files,
 # which are this project's faithful re-implementation of that revision (see docs/standin.md).
@@ -14,7 +15,7 @@ REVISION = "9f62e4e9fffbd0a83ddd60e1c209d828994b3569"
 LOCK_FILE = Path(__file__).with_name("remote_code.lock.json")
 
 _LAYERS = "language_model.model.layers.*"
-_EXPERTS = f"{_LAYERS}.block_sparse_moe.experts"
+EXPERTS_GLOB = _EXPERTS = f"{_LAYERS}.block_sparse_moe.experts"
 # Expert parallelism as data: the experts module dispatches tokens, its fused tensors (dense or MXFP4
 # packed + scales) are sharded along the expert dimension.
 EP_PLAN = {
@@ -77,5 +78,7 @@ KIMI_K3 = register_family(
         converters=expert_converters,
         load=_load,
         make_tiny=_make_tiny,
+        sizes=plan_sizes,
+        bundled_configs={"kimi-k3": BUNDLED_CONFIG},
     )
 )

@@ -1,0 +1,48 @@
+"""`torch_a2a`: an expert-parallel implementation for transformers' `EPImplementationInterface`.
+
+Every rank of the EP group holds its own batch (data parallel): tokens go to their experts' ranks with one
+all-to-all and come back with another (`modelopt_ext.ep.dispatch`). Unlike transformers' `all_to_all`, the
+local experts are run through the experts module's *class* forward, looked up at call time, so a module whose
+class was swapped after the plan was applied (ModelOpt's quantized experts) is still the one that runs, with
+local expert ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+
+from .dispatch import combine, dispatch
+
+NAME = "torch_a2a"
+
+
+def run_local_experts(experts: torch.nn.Module, x_RH, ids_R, weights_R) -> torch.Tensor:
+    """The experts' class forward on local rows (top-1, given weights). Looked up now, not at plan time."""
+    return type(experts).forward(experts, x_RH, ids_R.unsqueeze(-1), weights_R.unsqueeze(-1))
+
+
+class TorchA2AEP(EPImplementation):
+    """Dispatch -> local experts (grouped GEMM or the experts' own implementation) -> combine."""
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        self.experts = experts
+        self.group = ep_mesh.get_group()
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        recv_x, recv_ids, meta = dispatch(hidden_states, top_k_index, self.num_local_experts, self.group)
+        ones = torch.ones(recv_ids.shape[0], dtype=recv_x.dtype, device=recv_x.device)
+        if recv_x.shape[0] == 0:
+            # No rows for this rank: run one zero row so autograd still connects the exchange, then drop it.
+            y = run_local_experts(self.experts, recv_x.new_zeros(1, recv_x.shape[-1]), recv_ids.new_zeros(1),
+                                  ones.new_ones(1))[:0]
+        else:
+            y = run_local_experts(self.experts, recv_x, recv_ids, ones)
+        return combine(y, top_k_weights, meta, self.group)
+
+
+def register_torch_a2a() -> None:
+    """Register `torch_a2a` with transformers (idempotent; needed before a model using it is built)."""
+    if EPImplementationInterface._global_mapping.get(NAME) is not TorchA2AEP:
+        EPImplementationInterface.register(NAME, TorchA2AEP)

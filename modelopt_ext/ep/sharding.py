@@ -1,0 +1,138 @@
+"""Turning a distribution plan into transformers' parallel plans, and tidying the loaded model.
+
+Names: plans map module/parameter names with layer numbers replaced by `*` (transformers' convention) to a
+style. Expert modules get `ep_dispatch_experts` and their fused tensors `grouped_gemm` (sharded on the expert
+dim); with replicated dense layers every other module gets `replicate` on a TP mesh of the world's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+
+def wildcard_names(model: nn.Module) -> tuple[set[str], set[str]]:
+    """(module names, parameter names) of `model` with layer numbers replaced by `*`."""
+    modules = {replace_layer_number_by_wildcard(n) for n, _ in model.named_modules() if n}
+    params = {replace_layer_number_by_wildcard(n) for n, _ in model.named_parameters()}
+    return modules, params
+
+
+def select_ep_plan(plan: Mapping[str, str], model: nn.Module) -> dict[str, str]:
+    """The rules of a family's EP plan that name something in this model (e.g. only the packed tensors of
+    MXFP4 experts); refuses a plan of which no dispatch rule applies."""
+    modules, params = wildcard_names(model)
+    selected = {k: v for k, v in plan.items() if k in modules or k in params}
+    if "ep_dispatch_experts" not in selected.values():
+        raise ValueError(f"no ep_dispatch_experts rule of the EP plan {sorted(plan)} names a module of the model")
+    return selected
+
+
+def replicate_tp_plan(model: nn.Module, ep_plan: Mapping[str, str]) -> dict[str, str]:
+    """`replicate` for every module owning parameters outside the EP plan's expert modules."""
+    experts = [k for k, v in ep_plan.items() if v == "ep_dispatch_experts"]
+    owners = set()
+    for name, _ in model.named_parameters():
+        wild = replace_layer_number_by_wildcard(name)
+        if any(wild == e or wild.startswith(e + ".") for e in experts):
+            continue
+        owners.add(wild.rpartition(".")[0])
+    return dict.fromkeys(sorted(owners), "replicate")
+
+
+def localize_replicated_params(model: nn.Module) -> int:
+    """Replace fully replicated DTensor parameters by their local tensors (each rank holds the whole of
+    them, and the model's own code mixes them with plain tensors). Returns how many were replaced."""
+    count = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor) and all(isinstance(p, Replicate) for p in param.placements):
+                module._parameters[name] = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
+                count += 1
+    return count
+
+
+@dataclasses.dataclass
+class ReadCounter:
+    """Bytes this process materialized from checkpoint files, split by a key predicate."""
+
+    by_group: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, group: str, nbytes: int) -> None:
+        self.by_group[group] = self.by_group.get(group, 0) + nbytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_group.values())
+
+
+class _CountingSlice:
+    def __init__(self, inner, key: str, counter: ReadCounter, group_of):
+        self._inner, self._key, self._counter, self._group_of = inner, key, counter, group_of
+
+    def __getitem__(self, index):
+        tensor = self._inner[index]
+        self._counter.add(self._group_of(self._key), tensor.numel() * tensor.element_size())
+        return tensor
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _CountingFile:
+    def __init__(self, inner, counter: ReadCounter, group_of):
+        self._inner, self._counter, self._group_of = inner, counter, group_of
+
+    def get_slice(self, key: str):
+        return _CountingSlice(self._inner.get_slice(key), key, self._counter, self._group_of)
+
+    def get_tensor(self, key: str):
+        tensor = self._inner.get_tensor(key)
+        self._counter.add(self._group_of(key), tensor.numel() * tensor.element_size())
+        return tensor
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __enter__(self):
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def count_checkpoint_reads(expert_globs: Iterable[str]):
+    """Count the bytes transformers materializes from safetensors files while loading, as "experts" (keys
+    under any of `expert_globs`, fnmatch) and "dense". Reads go through lazy slices, so only what a rank
+    indexes is counted (and read)."""
+    import transformers.modeling_utils as mu
+
+    globs = tuple(expert_globs)
+    counter = ReadCounter()
+
+    def group_of(key: str) -> str:
+        return "experts" if any(fnmatch.fnmatchcase(key, g) for g in globs) else "dense"
+
+    original = mu.safe_open
+
+    def counting_open(*args, **kwargs):
+        return _CountingFile(original(*args, **kwargs), counter, group_of)
+
+    mu.safe_open = counting_open
+    try:
+        yield counter
+    finally:
+        mu.safe_open = original
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
