@@ -30,8 +30,11 @@ def select_ep_plan(plan: Mapping[str, str], model: nn.Module) -> dict[str, str]:
     MXFP4 experts); refuses a plan of which no dispatch rule applies."""
     modules, params = wildcard_names(model)
     selected = {k: v for k, v in plan.items() if k in modules or k in params}
-    if "ep_dispatch_experts" not in selected.values():
-        raise ValueError(f"no ep_dispatch_experts rule of the EP plan {sorted(plan)} names a module of the model")
+    if "ep_dispatch_experts" not in selected.values() or "grouped_gemm" not in selected.values():
+        raise ValueError(
+            f"the EP plan {sorted(plan)} needs an ep_dispatch_experts rule naming a module and grouped_gemm rules "
+            f"naming fused expert tensors of the model; it matched {sorted(selected) or 'nothing'}"
+        )
     return selected
 
 
@@ -50,13 +53,14 @@ def replicate_tp_plan(model: nn.Module, ep_plan: Mapping[str, str]) -> dict[str,
 def localize_replicated_params(model: nn.Module) -> int:
     """Replace fully replicated DTensor parameters by their local tensors (each rank holds the whole of
     them, and the model's own code mixes them with plain tensors). Returns how many were replaced."""
-    count = 0
+    localized: dict[int, nn.Parameter] = {}  # by identity, so tied parameters stay one parameter
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if isinstance(param, DTensor) and all(isinstance(p, Replicate) for p in param.placements):
-                module._parameters[name] = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
-                count += 1
-    return count
+                if id(param) not in localized:
+                    localized[id(param)] = nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
+                module._parameters[name] = localized[id(param)]
+    return len(localized)
 
 
 @dataclasses.dataclass

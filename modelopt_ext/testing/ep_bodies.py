@@ -75,3 +75,113 @@ def plan_refusal(rank: int, world_size: int, ckpt: str, ep_size: int):
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return None
+
+
+# --- modelopt_ext.dist (tests/test_dist.py) ---
+
+
+def dist_all_or_fail_and_agree(rank: int, world_size: int):
+    """all_or_fail and agree on every rank: what each returned or raised, as plain values."""
+    from modelopt_ext.dist import RankFailure, agree, all_or_fail
+
+    def outcome(fn):
+        try:
+            return {"value": fn(), "error": None}
+        except RankFailure as e:
+            cause = e.__cause__
+            return {"value": None, "error": str(e), "type": type(e).__name__,
+                    "cause": None if cause is None else f"{type(cause).__name__}: {cause}"}
+
+    def fail_on(ranks):
+        def fn():
+            if rank in ranks:
+                raise ValueError(f"boom on rank {rank}")
+            return rank * 10
+        return fn
+
+    differing = world_size - 1
+    return {
+        "one_fails": outcome(lambda: all_or_fail("step one", fail_on({1}))),
+        "two_fail": outcome(lambda: all_or_fail("step two", fail_on({1, 2}))),
+        "all_succeed": outcome(lambda: all_or_fail("step three", fail_on(set()))),
+        "agree_equal": outcome(lambda: agree("the plan", {"ep": world_size, "dense": "replicate"})),
+        "agree_differs": outcome(lambda: agree("the width", 128 + (rank == differing))),
+    }
+
+
+def dist_stalled_rank(rank: int, world_size: int, timeout_s: float, stall_s: float):
+    """Lower the group's timeout to `timeout_s`; rank 1 stalls `stall_s` before the collective. Returns how
+    long each rank's all_or_fail took and what it raised."""
+    import datetime
+    import time
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from modelopt_ext.dist import all_or_fail
+
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    if rank == 1:
+        time.sleep(stall_s)
+    start = time.monotonic()
+    try:
+        all_or_fail("the stalled step", lambda: rank)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    return {"elapsed": time.monotonic() - start, "error": error}
+
+
+# --- torch_a2a backend (tests/ep/test_backend.py) ---
+
+
+def _recording_subclass(base: type, log: dict) -> type:
+    """A subclass of `base` (as ModelOpt's convert creates) whose forward records what it received."""
+
+    class Recording(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            log.setdefault(self._recording_name, []).append({
+                "rows": int(hidden_states.shape[0]),
+                "max_id": int(top_k_index.max()) if top_k_index.numel() else -1,
+                "min_id": int(top_k_index.min()) if top_k_index.numel() else -1,
+                "num_experts": int(self.num_experts),
+            })
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{base.__name__}"
+    return Recording
+
+
+def class_forward_after_swap(rank: int, world_size: int, ckpt: str):
+    """Load with EP (torch_a2a), swap every experts module's class for a recording subclass, and run the
+    model on this rank's batch, then again with every token routed to rank 0's experts."""
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32, "experts_implementation": "batched_mm"}
+    single = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense="replicate", **kwargs)
+    ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + rank))
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+        ref = single(input_ids=ids, use_cache=False).logits
+    log: dict = {}
+    experts = {n: m for n, m in model.named_modules() if n.endswith("block_sparse_moe.experts")}
+    classes = {}
+    for name, module in experts.items():
+        base = type(module)
+        if base not in classes:
+            classes[base] = _recording_subclass(base, log)
+        module._recording_name = name
+        module.__class__ = classes[base]
+    with torch.no_grad():
+        after = model(input_ids=ids, use_cache=False).logits
+    swapped_log = {k: list(v) for k, v in log.items()}
+    log.clear()
+    top_k = model.config.get_text_config().num_experts_per_token
+    _force_routing(single, list(range(top_k)))
+    _force_routing(model, list(range(top_k)))
+    with torch.no_grad():
+        forced = model(input_ids=ids, use_cache=False).logits
+        forced_ref = single(input_ids=ids, use_cache=False).logits
+    return {"before": before, "after": after, "ref": ref, "log": swapped_log, "forced": forced,
+            "forced_ref": forced_ref, "forced_log": dict(log), "moe_layers": sorted(experts),
+            "classes": sorted(type(m).__name__ for m in experts.values()),
+            "num_local_experts": experts[sorted(experts)[0]].num_experts, "top_k": top_k,
+            "tokens": ids.numel()}

@@ -1,0 +1,93 @@
+"""modelopt_ext.dist on real gloo ranks: failing together, agreeing, bounded waits; and init outside torchrun."""
+
+import pytest
+
+from modelopt_ext.dist import init_distributed
+from modelopt_ext.testing.multiproc import run_ranks
+
+BODY = "modelopt_ext.testing.ep_bodies:"
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Per rank, per scenario: {"value", "error", "type", "cause"} (one run of 3 ranks for every scenario)."""
+    return run_ranks(BODY + "dist_all_or_fail_and_agree", WORLD, timeout_s=120)
+
+
+def test_all_or_fail_one_rank_raises_every_rank_raises_the_same(outcomes):
+    results = [o["one_fails"] for o in outcomes]
+    assert all(r["type"] == "RankFailure" and r["value"] is None for r in results)
+    assert len({r["error"] for r in results}) == 1, [r["error"] for r in results]
+    message = results[0]["error"]
+    assert "rank 1" in message and "step one" in message and "ValueError: boom on rank 1" in message
+    assert message.startswith("1 rank(s) failed")
+    # the failing rank chains its own exception; the others have none to chain
+    assert [r["cause"] for r in results] == [None, "ValueError: boom on rank 1", None]
+
+
+def test_all_or_fail_several_ranks_raise_names_the_first_and_the_others(outcomes):
+    results = [o["two_fail"] for o in outcomes]
+    assert len({r["error"] for r in results}) == 1
+    message = results[0]["error"]
+    assert message.startswith("2 rank(s) failed during step two; rank 1: ValueError: boom on rank 1")
+    assert "also ranks [2]" in message
+    assert [r["cause"] for r in results] == [None, "ValueError: boom on rank 1", "ValueError: boom on rank 2"]
+
+
+def test_all_or_fail_returns_each_ranks_own_value(outcomes):
+    assert [o["all_succeed"] for o in outcomes] == [{"value": 10 * r, "error": None} for r in range(WORLD)]
+
+
+def test_agree_passes_for_equal_values(outcomes):
+    assert all(o["agree_equal"] == {"value": None, "error": None} for o in outcomes)
+
+
+def test_agree_raises_on_every_rank_naming_both_values_and_the_differing_rank(outcomes):
+    results = [o["agree_differs"] for o in outcomes]
+    assert all(r["type"] == "RankFailure" for r in results)
+    assert len({r["error"] for r in results}) == 1
+    message = results[0]["error"]
+    assert "the width" in message and "rank 0 has 128" in message and f"rank {WORLD - 1} has 129" in message
+    assert f"differing ranks: [{WORLD - 1}]" in message
+
+
+def test_a_stalled_rank_makes_the_other_fail_within_the_group_timeout():
+    """The group's timeout is lowered to 1.5 s inside the body (the worker initialised it with 120 s)."""
+    timeout_s, stall_s = 1.5, 4.0
+    results = run_ranks(BODY + "dist_stalled_rank", 2, {"timeout_s": timeout_s, "stall_s": stall_s}, timeout_s=60)
+    waiting = results[0]
+    assert waiting["error"] is not None, "rank 0 should fail while rank 1 stalls"
+    assert waiting["elapsed"] < timeout_s + 3.0, waiting
+    assert waiting["elapsed"] < stall_s, "rank 0 waited for the stalled rank instead of timing out"
+    assert results[1]["error"] is not None  # its peer gave up: the late collective fails too
+
+
+def test_init_distributed_outside_torchrun_names_the_missing_variables(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun") as info:
+        init_distributed(timeout_s=5)
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        assert var in str(info.value)
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_names_only_the_variables_that_are_missing(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError) as info:
+        init_distributed(timeout_s=5)
+    message = str(info.value)
+    assert "MASTER_ADDR" in message and "MASTER_PORT" in message
+    assert "'RANK'" not in message and "'WORLD_SIZE'" not in message
