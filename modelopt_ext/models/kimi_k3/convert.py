@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-import transformers.conversion_mapping
+from transformers import conversion_mapping as _cm
 from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
 EXPERTS = "block_sparse_moe.experts"
@@ -53,7 +53,7 @@ def scoped_conversion_mapping(class_name: str, transforms: list):
     it to an unpatched model of the same class name loaded later. The loaded model keeps its own copy
     (`model._weight_conversions`), which `save_pretrained` reverses, so nothing is lost by removing it.
     """
-    cm = transformers.conversion_mapping
+    cm = _cm  # module object: its registry globals are read and restored below
     if cm._checkpoint_conversion_mapping_cache is None:
         cm.get_checkpoint_conversion_mapping(class_name)  # builds the registry
     registry = cm._checkpoint_conversion_mapping_cache

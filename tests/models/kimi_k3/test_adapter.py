@@ -238,3 +238,16 @@ def test_native_kimi_linear_is_untouched(ckpts, tmp_path):
     for (name, a), (_, b) in zip(native.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert "modelopt_ext" not in type(reloaded).__module__ and sys.modules[type(reloaded).__module__]
+
+
+def test_loads_after_modelopt_was_imported_first(tiny_ckpt, tmp_path):
+    """Import order must not matter (transformers' lazy module hides submodules imported elsewhere first)."""
+    import subprocess
+
+    ckpt = copy_checkpoint(tiny_ckpt, tmp_path, "import_order")
+    code = ("import modelopt.torch.quantization, modelopt_ext, torch; "
+            f"m = modelopt_ext.from_pretrained({str(ckpt)!r}, trust_remote_code=True); "
+            "print(type(m.language_model.model.layers[1].block_sparse_moe.experts).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "KimiK3PackedExperts" in out.stdout
