@@ -46,3 +46,26 @@ def register_torch_a2a() -> None:
     """Register `torch_a2a` with transformers (idempotent; needed before a model using it is built)."""
     if EPImplementationInterface._global_mapping.get(NAME) is not TorchA2AEP:
         EPImplementationInterface.register(NAME, TorchA2AEP)
+
+
+EP_FORWARD_ATTR = "_modelopt_ext_ep_forward"
+
+
+def capture_ep_forwards(model: torch.nn.Module) -> int:
+    """Keep, on each expert-parallel experts module, the dispatching forward transformers installed on the
+    instance when it applied the plan. ModelOpt's conversion replaces instance forwards; blocks that call
+    `call_experts` keep dispatching. Returns how many modules were found."""
+    found = 0
+    for module in model.modules():
+        if getattr(module, "_is_expert_parallel", False) and "forward" in module.__dict__:
+            setattr(module, EP_FORWARD_ATTR, module.__dict__["forward"])
+            found += 1
+    return found
+
+
+def call_experts(experts: torch.nn.Module, hidden_states, top_k_index, top_k_weights):
+    """Run an experts module: through its expert-parallel dispatch when it has one, else as a module."""
+    ep_forward = experts.__dict__.get(EP_FORWARD_ATTR)
+    if ep_forward is not None:
+        return ep_forward(hidden_states, top_k_index, top_k_weights)
+    return experts(hidden_states, top_k_index, top_k_weights)

@@ -185,3 +185,33 @@ def class_forward_after_swap(rank: int, world_size: int, ckpt: str):
             "classes": sorted(type(m).__name__ for m in experts.values()),
             "num_local_experts": experts[sorted(experts)[0]].num_experts, "top_k": top_k,
             "tokens": ids.numel()}
+
+
+def ep_modelopt_fp8(rank: int, world_size: int, ckpt: str, dense: str):
+    """ModelOpt FP8 calibration of the EP model: per-expert weight amax of this rank's experts, and a forward
+    after conversion (ModelOpt replaces the experts' class and instance forward)."""
+    import modelopt.torch.quantization as mtq
+
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, trust_remote_code=True,
+                                         dtype=torch.float32)
+    ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(rank))
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=ids, use_cache=False)
+
+    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, loop)
+    amax = {}
+    for i, layer in enumerate(model.language_model.model.layers):
+        block = getattr(layer, "block_sparse_moe", None)
+        if block is None:
+            continue
+        experts = block.experts
+        amax[i] = {
+            "class": type(experts).__name__,
+            "gate_up": [float(q.amax) for q in experts.gate_up_proj_weight_quantizers],
+            "down": [float(q.amax) for q in experts.down_proj_weight_quantizers],
+        }
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    return {"amax": amax, "finite": bool(torch.isfinite(logits).all()), "local": experts.num_experts}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
+from modelopt_ext.ep.backend import capture_ep_forwards
 from modelopt_ext.ep.sharding import count_checkpoint_reads, localize_replicated_params
 from modelopt_ext.families import read_config
 from modelopt_ext.lock import check_remote_code, load_lock
@@ -171,8 +172,10 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
                 str(prepared.path), config=config, output_loading_info=True, **kwargs
             )
     _strict_loading_info(info, prepared.path)
-    if distribution_plan is not None and distribution_plan.dense == "replicate":
-        localize_replicated_params(model)
+    if distribution_plan is not None:
+        capture_ep_forwards(model)
+        if distribution_plan.dense == "replicate":
+            localize_replicated_params(model)
     model.modelopt_ext_bytes_read = dict(reads.by_group)
     logger.info("read %s bytes of the checkpoint (%s)", f"{reads.total:,}",
                 ", ".join(f"{k} {v:,}" for k, v in sorted(reads.by_group.items())))

@@ -24,9 +24,14 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import use_experts_implementation
 
 from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -115,12 +120,14 @@ class KimiK3PackedExperts(_FusedExpertsBase):
     def check_scales(self) -> None:
         """Refuse NaN scale bytes once (after loading), so forwards can dequantize without host syncs."""
         for name in self.PACKED:
-            check_scales(getattr(self, f"{name}_scale"))
+            check_scales(_local(getattr(self, f"{name}_scale")))
 
     def _dequantized(self, name: str) -> torch.Tensor:
         if name in self._materialized:
             return self._materialized[name]
-        packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+        # Under expert parallelism the packed tensors are DTensors sharded on the expert dim: the module's
+        # experts are this rank's shard (num_experts is the local count), so dequantize the local part.
+        packed, scale = (_local(getattr(self, f"{name}_{part}")) for part in ("packed", "scale"))
         return dequantize_mxfp4(packed, scale, self.dequant_dtype, validate=False)
 
     @property

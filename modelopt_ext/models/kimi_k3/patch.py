@@ -19,6 +19,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from modelopt_ext.ep.backend import call_experts
+
 from .experts import KimiK3Experts, KimiK3PackedExperts
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,7 @@ def make_fused_block_class(text_module: ModuleType) -> type[nn.Module]:
             x_NH = hidden_states.reshape(-1, H)
             topk_idx_Nk, topk_weight_Nk = self.gate(x_NH)
             x_NL = self.routed_expert_down_proj(x_NH)
-            y_NL = self.experts(x_NL, topk_idx_Nk, topk_weight_Nk)
+            y_NL = call_experts(self.experts, x_NL, topk_idx_Nk, topk_weight_Nk)
             if self.config.latent_moe_use_norm:
                 y_NL = self.routed_expert_norm(y_NL)
             y = self.routed_expert_up_proj(y_NL).view(B, T, H)
