@@ -152,8 +152,11 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
     ranks as the checkpoint is read; each rank reads only its own experts' bytes.
     """
     prepared = prepare(path, remote_code_lock=remote_code_lock, **kwargs)
-    device = str(kwargs.get("device_map") or "cpu")
-    kda_plan = plan_kda_patch(prepared.text_module, device_type="cuda" if "cuda" in device else "cpu")
+    # fla-core kernels need CUDA: with no GPU, or when the caller places the model on the CPU, fla kernels
+    # (real upstream imports them directly) are replaced by the torch reference.
+    device_map = kwargs.get("device_map")
+    on_gpu = torch.cuda.is_available() and (device_map is None or "cpu" not in str(device_map))
+    kda_plan = plan_kda_patch(prepared.text_module, device_type="cuda" if on_gpu else "cpu")
     with _LOAD_LOCK:
         apply_patches(prepared.text_module, prepared.mm_module, KimiHybridCache)
         apply_kda_patch(prepared.text_module, kda_plan)
