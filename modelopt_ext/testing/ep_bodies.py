@@ -215,3 +215,47 @@ def ep_modelopt_fp8(rank: int, world_size: int, ckpt: str, dense: str):
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits
     return {"amax": amax, "finite": bool(torch.isfinite(logits).all()), "local": experts.num_experts}
+
+
+def ep_calibrate_and_sync(rank: int, world_size: int, ckpt: str, dense: str = "replicate",
+                          force_experts: list[int] | None = None):
+    """FP8 max calibration under EP with modelopt_ext's amax sync, and one process calibrated on every
+    rank's batch: the amax the two end with, by quantizer name (per-expert ones by global expert id)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    from modelopt_ext.quant.sync import calibration_algorithm, sync_amax
+
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    cfg["algorithm"] = calibration_algorithm("max")
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32, "experts_implementation": "batched_mm"}
+    batches = [torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + r))
+               for r in range(world_size)]
+
+    def run(model, which):
+        if force_experts is not None:
+            _force_routing(model, force_experts)
+
+        def loop(m):
+            with torch.no_grad():
+                for ids in which:
+                    m(input_ids=ids, use_cache=False)
+        return mtq.quantize(model, cfg, loop)
+
+    def amax_by_name(model, local_offset):
+        out = {}
+        for name, q in model.named_modules():
+            if type(q).__name__ == "TensorQuantizer" and q.amax is not None:
+                if "_weight_quantizers." in name:
+                    head, _, idx = name.rpartition(".")
+                    name = f"{head}.{int(idx) + local_offset}"
+                out[name] = q.amax.detach().clone()
+        return out
+
+    model = run(modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, **kwargs), [batches[rank]])
+    report = sync_amax(model)
+    local = model.language_model.model.layers[1].block_sparse_moe.experts.num_experts
+    ep = amax_by_name(model, rank * local)
+    single = run(modelopt_ext.from_pretrained(ckpt, **kwargs), batches)
+    return {"ep": ep, "ref": amax_by_name(single, 0), "report": report}

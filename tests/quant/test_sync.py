@@ -1,0 +1,47 @@
+"""Amax after EP calibration + sync_amax equals one process calibrated on all ranks' batches."""
+
+import pytest
+import torch
+
+from modelopt_ext.testing.multiproc import run_ranks
+
+
+def test_ep_amax_equals_single_process_on_all_batches(tiny_ckpt):
+    results = run_ranks("modelopt_ext.testing.ep_bodies:ep_calibrate_and_sync", 2, {"ckpt": str(tiny_ckpt)},
+                        timeout_s=300)
+    for rank, r in enumerate(results):
+        ep, ref = r["ep"], r["ref"]
+        assert r["report"]["local_experts"] > 0 and r["report"]["shared"] > 0
+        shared = [n for n in ep if "_weight_quantizers." not in n]
+        assert shared, "no shared quantizers calibrated"
+        for name in shared:  # dense layers and the experts' shared input quantizers: max over every rank's data
+            assert name in ref, name
+            torch.testing.assert_close(ep[name], ref[name], rtol=1e-5, atol=0, msg=name)
+        experts = [n for n in ep if "_weight_quantizers." in n]
+        assert len(experts) == 5 * 2 * 8  # 5 MoE layers x (gate_up, down) x 8 local experts
+        for name in experts:  # this rank's experts, by global id, never mixed with the other rank's
+            assert torch.equal(ep[name], ref[name]), name
+    # every rank ends with the same shared amax
+    for name in results[0]["ep"]:
+        if "_weight_quantizers." not in name:
+            assert torch.equal(results[0]["ep"][name], results[1]["ep"][name]), name
+
+
+def test_ranks_whose_experts_saw_no_tokens_stay_in_step(tiny_ckpt):
+    """All tokens to rank 0's experts 0..3: rank 1's expert input quantizers calibrate nothing (amax None
+    there); the sync still runs in step and gives both ranks rank 0's value."""
+    results = run_ranks("modelopt_ext.testing.ep_bodies:ep_calibrate_and_sync", 2,
+                        {"ckpt": str(tiny_ckpt), "force_experts": [0, 1, 2, 3]}, timeout_s=300)
+    inputs = [n for n in results[0]["ep"] if ".block_sparse_moe.experts." in n and "input_quantizer" in n]
+    assert len(inputs) == 5 * 2
+    for r in results:
+        for name in inputs:
+            torch.testing.assert_close(r["ep"][name], r["ref"][name], rtol=1e-5, atol=0, msg=name)
+
+
+def test_calibration_algorithm_turns_modelopt_sync_off():
+    from modelopt_ext.quant.sync import calibration_algorithm
+
+    assert calibration_algorithm("max") == {"method": "max", "distributed_sync": False}
+    assert calibration_algorithm({"method": "mse", "distributed_sync": True}) == {"method": "mse",
+                                                                                  "distributed_sync": False}
