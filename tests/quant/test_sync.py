@@ -1,6 +1,5 @@
 """Amax after EP calibration + sync_amax equals one process calibrated on all ranks' batches."""
 
-import pytest
 import torch
 
 from modelopt_ext.testing.multiproc import run_ranks
