@@ -130,13 +130,15 @@ class KimiK3PackedExperts(_FusedExpertsBase):
         packed, scale = (_local(getattr(self, f"{name}_{part}")) for part in ("packed", "scale"))
         return dequantize_mxfp4(packed, scale, self.dequant_dtype, validate=False)
 
-    @property
-    def gate_up_proj(self) -> torch.Tensor:
-        return self._dequantized("gate_up_proj")
+    def _drop(self, name: str) -> None:
+        # Exporters that split fused experts into per-expert modules delete the fused attributes afterwards.
+        for part in ("packed", "scale"):
+            delattr(self, f"{name}_{part}")
+        self._materialized.pop(name, None)
 
-    @property
-    def down_proj(self) -> torch.Tensor:
-        return self._dequantized("down_proj")
+    gate_up_proj = property(lambda self: self._dequantized("gate_up_proj"),
+                            fdel=lambda self: self._drop("gate_up_proj"))
+    down_proj = property(lambda self: self._dequantized("down_proj"), fdel=lambda self: self._drop("down_proj"))
 
     @contextlib.contextmanager
     def materialized(self, dtype: torch.dtype):

@@ -403,3 +403,15 @@ def test_dense_training_step_gradients(impl):
     torch.optim.SGD(ex.parameters(), lr=1e-2).step()
     assert not torch.equal(ex.gate_up_proj.detach(), before)
     assert torch.equal(ex.gate_up_proj.detach()[4], before[4])
+
+
+def test_deleting_a_fused_projection_drops_its_packed_tensors():
+    """ModelOpt's HF export splits fused experts into per-expert modules, then deletes the fused attributes."""
+    W13, W2, _ = random_weights(5)
+    packed, _, _ = packed_experts(W13, W2, None)
+    del packed.gate_up_proj
+    names = {n for n, _ in packed.named_parameters()}
+    assert names == {"down_proj_packed", "down_proj_scale"}
+    assert packed.down_proj.shape[0] == packed.num_experts
+    with pytest.raises(AttributeError):
+        packed.gate_up_proj
