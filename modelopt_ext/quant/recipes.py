@@ -160,8 +160,10 @@ def resolve_recipe(name_or_path: str | os.PathLike) -> Path:
     path = Path(text).expanduser()
     candidates = [path] if text.endswith(_SUFFIXES) or not bare else [path] + [
         Path(f"{text}{s}").expanduser() for s in _SUFFIXES]
+    if text.endswith(_SUFFIXES) and not path.is_absolute():
+        candidates.append(RECIPES_DIR / text)  # `kimi_k3/fp8_all.yaml` names a shipped recipe too
     for candidate in candidates:
-        looked.append(str(candidate))
+        looked.append(str(candidate.absolute()))
         if candidate.is_file():
             return candidate.resolve()
     raise RecipeNotFoundError(
@@ -310,7 +312,8 @@ def _is_modelopt_default(file) -> bool:
 
 @contextlib.contextmanager
 def _modelopt_prints_logged(replace: tuple[str, str] | None = None):
-    """ModelOpt's loader prints; route what it writes to stdout into this module's logger."""
+    """ModelOpt's loader prints; route what it writes to stdout into this module's logger (redirect_stdout
+    swaps sys.stdout for the whole process while a recipe loads)."""
     buffer = io.StringIO()
     try:
         with contextlib.redirect_stdout(buffer):
@@ -320,37 +323,50 @@ def _modelopt_prints_logged(replace: tuple[str, str] | None = None):
             logger.debug("modelopt: %s", line.replace(*replace) if replace else line)
 
 
+_UNION_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list", "tuple", "none"})
+
+
 def _pydantic_errors(exc: BaseException | None) -> list[str]:
-    """`loc: message` lines of a pydantic ValidationError (union-branch labels dropped), else []."""
+    """`loc: message (got value)` lines of a pydantic ValidationError, else []. Union-branch labels are
+    dropped from locations, and only the deepest locations are kept (a union reports every alternative)."""
     errors = getattr(exc, "errors", None)
     if not callable(errors):
         return []
-    lines: dict[str, list[str]] = {}
+    by_loc: dict[str, tuple[list[str], str]] = {}
     for err in errors():
-        parts = [p for p in err.get("loc", ()) if not (isinstance(p, str) and ("[" in p or "(" in p))]
+        parts = [p for p in err.get("loc", ()) if not (isinstance(p, str) and (
+            "[" in p or "(" in p or p in _UNION_LABELS))]
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "(top level)"
-        msg = err.get("msg", "")
-        if "input" in err and err.get("type") not in ("missing",):
-            msg += f" (got {err['input']!r})"
-        lines.setdefault(loc, [])
-        if msg not in lines[loc]:
-            lines[loc].append(msg)
-    return [f"{loc}: {' or '.join(msgs)}" for loc, msgs in lines.items()]
+        got = ""
+        if "input" in err and err.get("type") != "missing":
+            got = repr(err["input"])
+            got = f" (got {got if len(got) <= 80 else got[:77] + '...'})"
+        msgs, _ = by_loc.setdefault(loc, ([], got))
+        if err.get("msg", "") not in msgs:
+            msgs.append(err.get("msg", ""))
+    out = []
+    for loc, (msgs, got) in by_loc.items():
+        if any(o != loc and o.startswith(loc) for o in by_loc):
+            continue
+        specific = [m for m in msgs if not m.startswith("Input should be a valid")]
+        out.append(f"{loc}: {' or '.join(specific or msgs)}{got}")
+    return out
 
 
 def _load_modelopt(path: Path, data: dict[str, Any], folder: str):
-    """ModelOpt's load_recipe on `data` written to a temporary file named like `path`."""
+    """ModelOpt's load_recipe on `data` written to a temporary file named like `path` in `folder`."""
     from modelopt.recipe import load_recipe
 
     tmp_file = Path(folder) / path.name
     tmp_file.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     with _modelopt_prints_logged((str(tmp_file), str(path))):
-        return load_recipe(tmp_file), tmp_file
+        return load_recipe(tmp_file)
 
 
-def _explain_failure(path: Path, err: ValueError, tmp_file: Path, data: dict[str, Any], folder: str) -> ValueError:
+def _explain_failure(path: Path, err: ValueError, data: dict[str, Any], folder: str) -> ValueError:
     """A ValueError naming the original file and the failing entry (found by loading entries one by one,
     since ModelOpt's validation of quant_cfg does not report the entry's index)."""
+    tmp_file = Path(folder) / path.name
     details = _pydantic_errors(err.__cause__ if err.__cause__ is not None else err)
     if not details:
         return ValueError(f"{path}: {str(err).replace(str(tmp_file), str(path))}")
@@ -417,10 +433,9 @@ def load(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> Reci
         del data["imports"]
     with tempfile.TemporaryDirectory(prefix="modelopt_ext_recipe-") as folder:
         try:
-            recipe, _ = _load_modelopt(path, data, folder)
+            recipe = _load_modelopt(path, data, folder)
         except ValueError as err:
-            tmp_file = Path(folder) / path.name
-            raise _explain_failure(path, err, tmp_file, data, folder) from err
+            raise _explain_failure(path, err, data, folder) from err
     if not isinstance(recipe, ModelOptPTQRecipe):
         raise ValueError(f"{path}: not a PTQ recipe ({type(recipe).__name__})")
     loaded = recipe.model_dump()
@@ -446,7 +461,7 @@ def _type_name(value: Any) -> str:
             dict: "mapping"}.get(type(value), type(value).__name__)
 
 
-def _coerce(value: Any, existing: Any, key: str, leaf: str) -> Any:
+def _coerce(value: Any, existing: Any, leaf: str) -> Any:
     """`value` made to fit `existing`'s type, or None if it cannot."""
     if leaf in ("num_bits", "scale_bits"):
         if isinstance(value, str) and _EXMY.match(value):
@@ -508,11 +523,12 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], source: str 
                 raise ValueError(f"{source}: --set {key}: {where} is a {_type_name(node)} value, not a mapping")
             if depth == len(parts) - 1:
                 existing = node[slot]
-                new = _coerce(value, existing, key, part)
+                new = _coerce(value, existing, part)
                 if new is None and value is not None:
                     expected = "int, e.g. 8, or ExMy, e.g. e4m3" if part in ("num_bits", "scale_bits") else (
                         "float" if isinstance(existing, float) else _type_name(existing))
-                    raise ValueError(f"{source}: --set {key}: expected {expected} (current value {existing!r}), "
+                    current = repr(existing) if len(repr(existing)) <= 60 else repr(existing)[:57] + "..."
+                    raise ValueError(f"{source}: --set {key}: expected {expected} (current value {current}), "
                                      f"got {_type_name(value)} {value!r}")
                 node[slot] = new
             else:
