@@ -48,6 +48,7 @@ class FamilySpec:
     converters: Callable[[str], list]
     load: Callable[..., Any]
     make_tiny: Callable[..., Path] | None = None
+    router_glob: str | None = None
     sizes: Callable[[Mapping[str, Any]], Mapping[str, int]] | None = None
     bundled_configs: Mapping[str, Path] = dataclasses.field(default_factory=dict)
 

@@ -259,3 +259,24 @@ def ep_calibrate_and_sync(rank: int, world_size: int, ckpt: str, dense: str = "r
     ep = amax_by_name(model, rank * local)
     single = run(modelopt_ext.from_pretrained(ckpt, **kwargs), batches)
     return {"ep": ep, "ref": amax_by_name(single, 0), "report": report}
+
+
+def ep_coverage(rank: int, world_size: int, ckpt: str):
+    """Expert coverage recorded on the EP model over each rank's batch (summed over ranks), and in one
+    process over every rank's batch."""
+    from modelopt_ext.families import families
+    from modelopt_ext.quant.coverage import record_expert_coverage
+
+    spec = families()["kimi_k3"]
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32, "experts_implementation": "batched_mm"}
+    batches = [torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(300 + r))
+               for r in range(world_size)]
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense="replicate", **kwargs)
+    with torch.no_grad(), record_expert_coverage(model, spec.router_glob, 16) as ep:
+        model(input_ids=batches[rank], use_cache=False)
+    single = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    # the single-process recording must not all-reduce: its counts already cover every batch
+    with torch.no_grad(), record_expert_coverage(single, spec.router_glob, 16) as ref:
+        for ids in batches:
+            single(input_ids=ids, use_cache=False)
+    return {"ep": ep.table(), "ref": {k: [v // world_size for v in row] for k, row in ref.table().items()}}

@@ -78,6 +78,7 @@ KIMI_K3 = register_family(
         converters=expert_converters,
         load=_load,
         make_tiny=_make_tiny,
+        router_glob=f"{_LAYERS}.block_sparse_moe.gate",
         sizes=plan_sizes,
         bundled_configs={"kimi-k3": BUNDLED_CONFIG},
     )
