@@ -1,0 +1,80 @@
+"""Calibration data: an embedded default set, JSONL or text files, tokenized into per-rank batches.
+
+No downloads: the default set is the text shipped with the package (the stand-in's corpus). A file is
+JSONL (one object per line with a "text" field, or "messages" rendered with the tokenizer's chat template)
+or plain text (one sample per non-empty line). Samples are tokenized and packed into one stream (EOS between
+samples), cut into blocks of `seq_len` tokens (no padding: pad tokens would enter the activation statistics),
+the first `calib_size` blocks kept and dealt round-robin to the ranks (rank r gets blocks r, r + W, ...), so
+every rank calibrates on different data.
+
+Shapes: B batch, S sequence length.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def default_texts() -> list[str]:
+    """The embedded calibration texts (one paragraph per sample)."""
+    text = importlib.resources.files("modelopt_ext.models.kimi_k3.standin").joinpath("corpus.txt").read_text()
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def load_texts(path: str | Path | None, tokenizer=None) -> list[str]:
+    """Samples from `path` (JSONL or text), or the embedded set when None. Errors name the file and line."""
+    if path is None:
+        return default_texts()
+    path = Path(path)
+    try:
+        content = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"calibration dataset {path} is unreadable: {e}") from e
+    lines = [(i + 1, line) for i, line in enumerate(content.splitlines()) if line.strip()]
+    if not lines:
+        raise ValueError(f"calibration dataset {path} is empty")
+    if path.suffix not in (".jsonl", ".json"):
+        return [line.strip() for _, line in lines]
+    texts = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON object ({e})") from e
+        if isinstance(record, dict) and isinstance(record.get("text"), str):
+            texts.append(record["text"])
+        elif isinstance(record, dict) and isinstance(record.get("messages"), list) and tokenizer is not None:
+            texts.append(tokenizer.apply_chat_template(record["messages"], tokenize=False))
+        else:
+            raise ValueError(f'{path}:{number}: expected an object with a "text" string or a "messages" list')
+    return texts
+
+
+def calibration_batches(tokenizer, texts: list[str], *, calib_size: int, batch_size: int, seq_len: int,
+                        rank: int = 0, world_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    """This rank's batches of packed blocks: {"input_ids": [B, seq_len], "attention_mask": ones [B, seq_len]}."""
+    for name, value in (("calib_size", calib_size), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for text in texts:
+        stream += tokenizer.encode(text) + ([eos] if eos is not None else [])
+        if len(stream) >= calib_size * seq_len:
+            break
+    blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)][:calib_size]
+    if len(blocks) < world_size:
+        raise ValueError(f"the calibration text yields {len(blocks)} blocks of {seq_len} tokens, fewer than the "
+                         f"{world_size} ranks")
+    if len(blocks) < calib_size:
+        logger.warning("calibration text yields %d blocks of %d tokens, fewer than calib_size %d",
+                       len(blocks), seq_len, calib_size)
+    mine = torch.tensor(blocks[rank::world_size], dtype=torch.long)
+    return [{"input_ids": chunk, "attention_mask": torch.ones_like(chunk)} for chunk in mine.split(batch_size)]

@@ -1,0 +1,89 @@
+"""Calibration data loading and per-rank batching."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from modelopt_ext.quant.data import calibration_batches, default_texts, load_texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_ckpt):
+    return AutoTokenizer.from_pretrained(str(tiny_ckpt), trust_remote_code=True)
+
+
+def test_default_set_is_embedded():
+    texts = default_texts()
+    assert len(texts) >= 10 and all(len(t) > 40 for t in texts)
+
+
+def test_jsonl_text_and_messages(tmp_path, tokenizer):
+    path = tmp_path / "calib.jsonl"
+    path.write_text(json.dumps({"text": "first sample"}) + "\n\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    texts = load_texts(path, tokenizer)
+    assert texts[0] == "first sample"
+    assert "<|im_user|>" in texts[1] and "hello" in texts[1]
+
+
+def test_plain_text_one_sample_per_line(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_text("one\n\n two \nthree\n")
+    assert load_texts(path) == ["one", "two", "three"]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "is empty"),
+    ("\n  \n", "is empty"),
+    ('{"text": 1}\n', ':1: expected an object with a "text" string'),
+    ('{"text": "ok"}\nnot json\n', ":2: not a JSON object"),
+])
+def test_bad_files_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as err:
+        load_texts(path)
+    assert str(path) in str(err.value)
+
+
+def test_unreadable_file(tmp_path):
+    path = tmp_path / "bin.txt"
+    path.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ValueError, match="unreadable"):
+        load_texts(path)
+    with pytest.raises(ValueError, match="unreadable"):
+        load_texts(tmp_path / "missing.txt")
+
+
+def test_blocks_are_packed_and_dealt_round_robin(tokenizer):
+    texts = default_texts()
+    per_rank = [calibration_batches(tokenizer, texts, calib_size=10, batch_size=3, seq_len=16, rank=r, world_size=2)
+                for r in range(2)]
+    stream = []
+    for t in texts:
+        stream += tokenizer.encode(t) + [tokenizer.eos_token_id]
+    blocks = [stream[i * 16 : (i + 1) * 16] for i in range(10)]
+    for r in range(2):
+        rows = [row for b in per_rank[r] for row in b["input_ids"].tolist()]
+        assert rows == blocks[r::2]
+        assert [b["input_ids"].shape[0] for b in per_rank[r]] == [3, 2]
+        assert all(bool(b["attention_mask"].all()) for b in per_rank[r])
+
+
+def test_short_text_gives_fewer_blocks(tokenizer, caplog):
+    batches = calibration_batches(tokenizer, ["a short text of a few tokens"], calib_size=4, batch_size=2, seq_len=4)
+    assert sum(b["input_ids"].shape[0] for b in batches) < 4
+    assert "fewer than calib_size 4" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"calib_size": 0}, "calib_size must be at least 1, got 0"),
+    ({"batch_size": 0}, "batch_size must be at least 1"),
+    ({"seq_len": -1}, "seq_len must be at least 1, got -1"),
+    ({"calib_size": 1, "world_size": 2}, r"yields 1 blocks of 8 tokens, fewer than the 2 ranks"),
+])
+def test_bad_sizes(tokenizer, kwargs, message):
+    args = {"calib_size": 4, "batch_size": 2, "seq_len": 8, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        calibration_batches(tokenizer, ["a text with enough tokens to fill a couple of blocks"], **args)
