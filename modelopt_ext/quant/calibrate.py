@@ -1,0 +1,110 @@
+"""Calibration driver: ModelOpt quantization over this rank's batches, coverage, amax sync, expert policy.
+
+    result = calibrate(model, quant_cfg, batches, router_glob=..., num_experts=..., uncovered="weights")
+
+Steps: ModelOpt converts the model and runs `forward_loop` over the batches with its own distributed sync
+off (`sync.calibration_algorithm`), while `coverage` counts routed tokens per expert; then, under
+torch.distributed, `sync.sync_amax` brings every rank's amax in step; then the policy for experts that saw
+no calibration token applies:
+
+- "weights" (default): keep going. Their weight quantizers are calibrated from their weights, which ModelOpt
+  does for every expert; their input amax is the layer's, as fused experts share one input quantizer per
+  projection (the down projection's input quantizer has seen only other experts' activations).
+- "all-experts": run calibration with every token sent to every expert (`all_experts_routing`), with the
+  routing weights of experts the router did not pick set to zero, so the model's outputs are unchanged
+  while every expert's activations reach the quantizers. Costs top-k -> all experts compute (and, under EP,
+  exchange).
+- "fail": raise, naming the layers and experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .coverage import Coverage, record_expert_coverage
+from .sync import calibration_algorithm, sync_amax
+
+logger = logging.getLogger(__name__)
+POLICIES = ("weights", "all-experts", "fail")
+
+
+class UncoveredExperts(RuntimeError):
+    """Experts received no calibration token and the policy is "fail"."""
+
+
+@dataclasses.dataclass
+class CalibrationResult:
+    model: torch.nn.Module
+    coverage: Coverage
+    sync: dict[str, Any] | None
+
+
+@contextlib.contextmanager
+def all_experts_routing(model: torch.nn.Module, router_glob: str, num_experts: int):
+    """Routers return every expert, with the unpicked ones weighted 0 (outputs unchanged)."""
+
+    def hook(module, inputs, output):
+        ids_TK, weights_TK = output
+        T = ids_TK.shape[0]
+        full = torch.zeros(T, num_experts, dtype=weights_TK.dtype, device=weights_TK.device)
+        full.scatter_(1, ids_TK, weights_TK)
+        return torch.arange(num_experts, device=ids_TK.device).expand(T, num_experts).contiguous(), full
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, router_glob)]
+    if not handles:
+        raise ValueError(f"no module of the model matches the router glob {router_glob!r}")
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def calibrate(
+    model: torch.nn.Module,
+    quant_cfg: Mapping[str, Any],
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    *,
+    router_glob: str,
+    num_experts: int,
+    uncovered: str = "weights",
+    progress: Callable[[int], None] | None = None,
+) -> CalibrationResult:
+    """Quantize `model` with ModelOpt, calibrating on `batches` (this rank's); see the module doc."""
+    import modelopt.torch.quantization as mtq
+
+    if uncovered not in POLICIES:
+        raise ValueError(f"uncovered-experts policy {uncovered!r} is not one of {POLICIES}")
+    cfg = dict(quant_cfg)
+    cfg["algorithm"] = calibration_algorithm(cfg.get("algorithm", "max"))
+    batches = list(batches)
+    routing = all_experts_routing(model, router_glob, num_experts) if uncovered == "all-experts" else (
+        contextlib.nullcontext())
+    # routing hooks first, so the coverage hook (registered after) counts what the experts actually get
+    with routing, record_expert_coverage(model, router_glob, num_experts) as coverage:
+
+        def forward_loop(m):
+            with torch.no_grad():
+                for i, batch in enumerate(batches):
+                    m(**batch, use_cache=False)
+                    if progress is not None:
+                        progress(i + 1)
+
+        model = mtq.quantize(model, cfg, forward_loop)
+    report = sync_amax(model) if dist.is_available() and dist.is_initialized() else None
+    missing = coverage.uncovered()
+    if missing:
+        detail = "; ".join(f"{name}: {experts}" for name, experts in missing.items())
+        if uncovered == "fail":
+            raise UncoveredExperts(f"experts without calibration tokens: {detail}")
+        logger.warning("experts without calibration tokens (policy %r): %s", uncovered, detail)
+    logger.info(coverage.summary_line())
+    return CalibrationResult(model, coverage, report)
