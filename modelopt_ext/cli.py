@@ -104,11 +104,45 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _add_verify(sub) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check a ModelOpt unified-HF export: shards and index, quantization layout, error bounds against "
+        "the source, sha256 manifest",
+    )
+    p.add_argument("export_dir", metavar="EXPORT_DIR")
+    p.add_argument("--source", metavar="DIR", default=None, help="source checkpoint: compare every tensor with it")
+    p.add_argument(
+        "--write-manifest", action="store_true", help="write MANIFEST.sha256 (only when every other check passes)"
+    )
+    p.add_argument(
+        "--tolerance-factor", metavar="X", type=float, default=1.0,
+        help="scale the quantization error bounds (default 1.0)",
+    )
+
+
+def _run_verify(args) -> int:
+    from modelopt_ext.export.verify import ExportInvalid, verify_export
+
+    try:
+        report = verify_export(
+            args.export_dir, args.source, tolerance_factor=args.tolerance_factor, write_manifest=args.write_manifest
+        )
+    except ExportInvalid as e:
+        print(f"modelopt-ext verify: {args.export_dir} is invalid, {len(e.problems)} problem(s):", file=sys.stderr)
+        for problem in e.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
 COMMANDS = {
     "make-tiny": (_add_make_tiny, _run_make_tiny),
     "forward": (_add_forward, _run_forward),
     "lock-remote-code": (_add_lock, _run_lock),
     "plan": (_add_plan, _run_plan),
+    "verify": (_add_verify, _run_verify),
 }
 
 

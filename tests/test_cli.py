@@ -301,3 +301,111 @@ def test_plan_unknown_model_exits_2(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path / "nothing"), "--nproc", "8"]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "nothing") in err and "kimi-k3" in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# verify (the checks themselves are tested on real exports in tests/export/test_verify.py)
+
+
+def _fp8_export(root: Path) -> tuple[Path, Path]:
+    """(source, export) by hand: one FP8 linear `lin` (per-tensor scale amax/448) and one BF16 norm."""
+    import torch
+    from safetensors.torch import save_file
+
+    w = (torch.arange(4 * 32, dtype=torch.float32).reshape(4, 32) / 50 - 1.2).to(torch.bfloat16)
+    norm = torch.linspace(0.5, 1.5, 32).to(torch.bfloat16)
+    scale = w.float().abs().max() / 448
+    src, export = root / "src", root / "export"
+    src.mkdir(parents=True)
+    export.mkdir(parents=True)
+    save_file({"lin.weight": w, "norm.weight": norm}, str(src / "model.safetensors"))
+    q = (w.float() / scale).to(torch.float8_e4m3fn)
+    save_file({"lin.weight": q, "lin.weight_scale": scale, "norm.weight": norm}, str(export / "model.safetensors"))
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": []}
+    (export / "hf_quant_config.json").write_text(json.dumps({"quantization": quant}))
+    qc = {"quant_algo": "FP8", "ignore": [], "quant_method": "modelopt"}
+    (export / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    return src, export
+
+
+def test_verify_valid_export(tmp_path, capsys):
+    src, export = _fp8_export(tmp_path)
+    assert main(["verify", str(export)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        f"OK {export}: 3 tensors, {128 + 4 + 64} bytes in 1 safetensors file(s); quantized weights: FP8 1",
+        "manifest MANIFEST.sha256: absent",
+    ]
+    assert captured.err == ""
+
+
+def test_verify_with_source_writes_then_checks_the_manifest(tmp_path, capsys):
+    src, export = _fp8_export(tmp_path)
+    assert main(["verify", str(export), "--source", str(src), "--write-manifest"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"vs source {re.escape(str(src))}: max relative error FP8 0\.0\d+ \(0\.\d+ of bound\)", out), out
+    assert "manifest MANIFEST.sha256: written" in out
+    listed = (export / "MANIFEST.sha256").read_text().splitlines()
+    assert [line.split("  ")[1] for line in listed] == ["config.json", "hf_quant_config.json", "model.safetensors"]
+    assert main(["verify", str(export)]) == 0
+    assert "manifest MANIFEST.sha256: checked" in capsys.readouterr().out
+
+
+def test_verify_invalid_export_lists_every_problem(tmp_path, capsys):
+    src, export = _fp8_export(tmp_path)
+    assert main(["verify", str(export), "--write-manifest"]) == 0
+    capsys.readouterr()
+    raw = bytearray((export / "model.safetensors").read_bytes())
+    raw[-1] ^= 0x08  # last byte of the data: lin.weight, norm.weight or the scale, whichever is stored last
+    (export / "model.safetensors").write_bytes(bytes(raw))
+    (export / "stray.txt").write_text("x")
+    assert main(["verify", str(export), "--source", str(src)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert lines[0] == f"modelopt-ext verify: {export} is invalid, {len(lines) - 1} problem(s):"
+    assert lines[1].startswith("  - model.safetensors changed since MANIFEST.sha256 was written")
+    assert lines[2] == "  - stray.txt is not listed in MANIFEST.sha256"
+    assert len(lines) == 4 and re.match(r"  - (lin|norm)\.weight", lines[3]), lines  # the flipped tensor
+
+
+def test_verify_tolerance_factor(tmp_path, capsys):
+    src, export = _fp8_export(tmp_path)
+    assert main(["verify", str(export), "--source", str(src), "--tolerance-factor", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "lin.weight: " in err and "exceed the FP8 error bound" in err
+    assert main(["verify", str(export), "--tolerance-factor", "0"]) == 2
+    assert "modelopt-ext verify: error: tolerance_factor must be a finite number > 0, got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", str(export), "--tolerance-factor", "abc"])
+    assert exc.value.code == 2
+
+
+def test_verify_missing_directories_exit_2(tmp_path, capsys):
+    src, export = _fp8_export(tmp_path)
+    assert main(["verify", str(tmp_path / "nothing")]) == 2
+    assert f"modelopt-ext verify: error: export directory {tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+    assert main(["verify", str(export), "--source", str(tmp_path / "no_src")]) == 2
+    assert str(tmp_path / "no_src") in capsys.readouterr().err
+
+
+def test_verify_help_lists_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("EXPORT_DIR", "--source", "--write-manifest", "--tolerance-factor"):
+        assert flag in out, flag
+
+
+def test_python_m_verify_exit_codes(tmp_path):
+    src, export = _fp8_export(tmp_path)
+    cmd = [sys.executable, "-m", "modelopt_ext", "verify"]
+    proc = subprocess.run([*cmd, str(export), "--source", str(src)], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"OK {export}: ")
+    (export / "config.json").unlink()
+    proc = subprocess.run([*cmd, str(export)], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "  - config.json has no quantization_config although hf_quant_config.json sets FP8" in proc.stderr
