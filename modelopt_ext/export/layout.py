@@ -1,0 +1,131 @@
+"""Checks (1) and (2) of `verify_export`: safetensors shards, the index, and duplicate tensor names."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from modelopt_ext.export.tensors import _Entry, _load_json, _pairs_hook
+
+INDEX_NAME = "model.safetensors.index.json"
+
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+def _read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
+    """Header entries of one safetensors file; offsets checked against the file size."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or n > size - 8:
+            problems.append(f"{path.name}: not a safetensors file (header length {n}, file size {size})")
+            return None
+        raw = f.read(n)
+    duplicates: list[str] = []
+    try:
+        header = json.loads(raw, object_pairs_hook=_pairs_hook(duplicates))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{path.name}: unreadable safetensors header ({e})")
+        return None
+    problems.extend(f"{path.name}: tensor {key} is named twice in the header" for key in duplicates)
+    if not isinstance(header, dict):
+        problems.append(f"{path.name}: safetensors header is not a JSON object")
+        return None
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    entries, spans = {}, []
+    for key, meta in header.items():
+        try:
+            dtype, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
+            begin, end = (int(o) for o in meta["data_offsets"])
+        except (TypeError, KeyError, ValueError):
+            problems.append(f"{path.name}: malformed header entry for tensor {key}: {meta!r}")
+            continue
+        if dtype not in _DTYPE_BYTES:
+            problems.append(f"{path.name}: tensor {key} has unknown dtype {dtype}")
+            continue
+        nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
+        if end - begin != nbytes or begin < 0 or end > data_len:
+            problems.append(
+                f"{path.name}: tensor {key} data_offsets [{begin}, {end}] do not hold {dtype} {list(shape)} "
+                f"({nbytes} bytes) inside the {data_len}-byte data section"
+            )
+            continue
+        spans.append((begin, end, key))
+        entries[key] = _Entry(key, path.name, dtype, shape, nbytes)
+    spans.sort()
+    for (_, end0, key0), (begin1, _, key1) in zip(spans, spans[1:]):
+        if begin1 < end0:
+            problems.append(f"{path.name}: tensors {key0} and {key1} overlap in the data section")
+    return entries
+
+
+def _check_index(
+    path: Path, headers: dict[str, dict[str, _Entry]], where: dict[str, list[str]], shards: list[str],
+    problems: list[str],
+) -> None:
+    index = _load_json(path, problems)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        problems.append(f"{path.name}: no weight_map object")
+        return
+    for key, shard in sorted(weight_map.items()):
+        if shard not in shards:
+            problems.append(f"{path.name}: tensor {key} is mapped to shard {shard}, which does not exist")
+        elif shard in headers and key not in headers[shard]:
+            if where.get(key):
+                problems.append(f"{path.name}: tensor {key} is mapped to {shard} but stored in {', '.join(where[key])}")
+            else:
+                problems.append(f"tensor {key} is listed in {path.name} (shard {shard}) but missing from every shard")
+    referenced = set(weight_map.values())
+    problems.extend(f"shard {s} is not referenced by {path.name}" for s in shards if s not in referenced)
+    problems.extend(
+        f"tensor {key} in {files[0]} is not listed in {path.name}"
+        for key, files in sorted(where.items()) if key not in weight_map
+    )
+    total = (index.get("metadata") or {}).get("total_size")
+    if total is not None:
+        actual = sum(e.nbytes for s in sorted(referenced & headers.keys()) for e in headers[s].values())
+        if not isinstance(total, int) or total != actual:
+            problems.append(
+                f"{path.name}: metadata.total_size {total!r} != {actual} bytes of tensor data in its shards"
+            )
+
+
+def _check_layout(export_dir: Path, problems: list[str]) -> tuple[list[str], dict[str, _Entry], int]:
+    """Shard files, the tensors (first occurrence of each name) and their total data bytes."""
+    shards = sorted(p.name for p in export_dir.glob("*.safetensors") if p.is_file())
+    headers = {}
+    for name in shards:
+        header = _read_header(export_dir / name, problems)
+        if header is not None:
+            headers[name] = header
+    where: dict[str, list[str]] = defaultdict(list)
+    for name, header in headers.items():
+        for key in header:
+            where[key].append(name)
+    for key, files in sorted(where.items()):
+        if len(files) > 1:
+            problems.append(f"tensor {key} is stored in {len(files)} shards: {', '.join(files)}")
+    indexes = sorted(p for p in export_dir.glob("*.safetensors.index.json") if p.is_file())
+    if not shards:
+        problems.append(f"no *.safetensors file in {export_dir}")
+    if len(indexes) > 1:
+        problems.append(f"several index files: {', '.join(p.name for p in indexes)}")
+    if indexes:
+        _check_index(indexes[0], headers, where, shards, problems)
+    elif len(shards) > 1:
+        problems.append(f"{len(shards)} safetensors files ({', '.join(shards)}) but no {INDEX_NAME}")
+    entries: dict[str, _Entry] = {}
+    for name in sorted(headers):
+        for key, entry in headers[name].items():
+            entries.setdefault(key, entry)
+    tensor_bytes = sum(e.nbytes for header in headers.values() for e in header.values())
+    return shards, entries, tensor_bytes
+

@@ -1,0 +1,50 @@
+"""Check (5) of `verify_export`: the ``MANIFEST.sha256`` of an export (``sha256  path`` per file, sorted)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Mapping
+
+MANIFEST_NAME = "MANIFEST.sha256"
+_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(export_dir: Path) -> dict[str, str]:
+    """sha256 of every file under ``export_dir`` but the manifest, by POSIX path relative to it."""
+    return {
+        p.relative_to(export_dir).as_posix(): _sha256(p)
+        for p in sorted(export_dir.rglob("*"))
+        if p.is_file() and p.relative_to(export_dir).as_posix() != MANIFEST_NAME
+    }
+
+
+def _check_manifest(path: Path, digests: Mapping[str, str], problems: list[str]) -> None:
+    listed: dict[str, str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        m = _MANIFEST_LINE.match(line)
+        if m is None:
+            problems.append(f"{MANIFEST_NAME} line {number} is not 'sha256  filename': {line[:80]!r}")
+        else:
+            listed[m.group(2)] = m.group(1)
+    for name, digest in sorted(listed.items()):
+        if name not in digests:
+            problems.append(f"{name} is listed in {MANIFEST_NAME} but missing")
+        elif digests[name] != digest:
+            problems.append(f"{name} changed since {MANIFEST_NAME} was written (sha256 {digests[name]}, was {digest})")
+    problems.extend(f"{name} is not listed in {MANIFEST_NAME}" for name in sorted(set(digests) - set(listed)))
+
+
+def _write_manifest(export_dir: Path, digests: Mapping[str, str]) -> None:
+    tmp = export_dir / f".{MANIFEST_NAME}.tmp"
+    tmp.write_text("".join(f"{digests[name]}  {name}\n" for name in sorted(digests)))
+    tmp.replace(export_dir / MANIFEST_NAME)
