@@ -10,6 +10,7 @@ from pathlib import Path
 from modelopt_ext.export.tensors import _Entry, _load_json, _pairs_hook
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 
 _DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -23,7 +24,7 @@ def _read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
     with path.open("rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or n > size - 8:
+        if n < 0 or n > min(size - 8, MAX_HEADER_BYTES):
             problems.append(f"{path.name}: not a safetensors file (header length {n}, file size {size})")
             return None
         raw = f.read(n)
@@ -89,7 +90,11 @@ def _check_index(
         f"tensor {key} in {files[0]} is not listed in {path.name}"
         for key, files in sorted(where.items()) if key not in weight_map
     )
-    total = (index.get("metadata") or {}).get("total_size")
+    metadata = index.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        problems.append(f"{path.name}: metadata is not a JSON object: {metadata!r:.80}")
+        metadata = {}
+    total = metadata.get("total_size")
     if total is not None:
         actual = sum(e.nbytes for s in sorted(referenced & headers.keys()) for e in headers[s].values())
         if not isinstance(total, int) or total != actual:

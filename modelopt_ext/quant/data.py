@@ -28,41 +28,72 @@ def default_texts() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
+def _read_text_file(path: Path) -> str:
+    """The whole file as text (a UTF-8 BOM dropped); errors name the file and, for bad bytes, the offset."""
+    if not path.exists():
+        raise ValueError(f"calibration dataset {path} does not exist")
+    if path.is_dir():
+        raise ValueError(f"calibration dataset {path} is a directory, expected a JSONL or text file")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"calibration dataset {path} is unreadable: {e.strerror or e}") from e
+    try:
+        content = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"calibration dataset {path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at byte offset "
+                         f"{e.start} (line {line}): {e.reason}") from e
+    return content.removeprefix("\ufeff")
+
+
 def load_texts(path: str | Path | None, tokenizer=None) -> list[str]:
-    """Samples from `path` (JSONL or text), or the embedded set when None. Errors name the file and line."""
+    """Samples from `path` (JSONL or text), or the embedded set when None.
+
+    Raises ValueError naming the file (and the line or byte offset) for a missing, unreadable or non-UTF-8
+    file, a directory, a file without text, a JSONL line that is not JSON or not a usable record.
+    """
     if path is None:
         return default_texts()
     path = Path(path)
-    try:
-        content = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"calibration dataset {path} is unreadable: {e}") from e
-    lines = [(i + 1, line) for i, line in enumerate(content.splitlines()) if line.strip()]
+    content = _read_text_file(path)
+    jsonl = path.suffix in (".jsonl", ".json")
+    # JSONL splits on "\n" only: JSON strings may hold U+2028 and other characters splitlines() breaks at
+    lines = [(i + 1, line) for i, line in enumerate(content.split("\n") if jsonl else content.splitlines())
+             if line.strip()]
     if not lines:
-        raise ValueError(f"calibration dataset {path} is empty")
-    if path.suffix not in (".jsonl", ".json"):
+        what = "0 bytes" if not content else "only whitespace"
+        raise ValueError(f"calibration dataset {path} is empty ({what}), expected at least one text sample")
+    if not jsonl:
         return [line.strip() for _, line in lines]
     texts = []
     for number, line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not a JSON object ({e})") from e
+            raise ValueError(f"{path}:{number}: not valid JSON: {e.msg} at column {e.colno}") from e
         if isinstance(record, dict) and isinstance(record.get("text"), str):
             texts.append(record["text"])
-        elif isinstance(record, dict) and isinstance(record.get("messages"), list) and tokenizer is not None:
+        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+            if tokenizer is None:
+                raise ValueError(f'{path}:{number}: a "messages" record needs a tokenizer for its chat template')
             texts.append(tokenizer.apply_chat_template(record["messages"], tokenize=False))
         else:
             raise ValueError(f'{path}:{number}: expected an object with a "text" string or a "messages" list')
+    if not any(text.strip() for text in texts):
+        raise ValueError(f"calibration dataset {path} has no text: all {len(texts)} samples are blank")
     return texts
 
 
 def calibration_batches(tokenizer, texts: list[str], *, calib_size: int, batch_size: int, seq_len: int,
                         rank: int = 0, world_size: int = 1) -> list[dict[str, torch.Tensor]]:
     """This rank's batches of packed blocks: {"input_ids": [B, seq_len], "attention_mask": ones [B, seq_len]}."""
-    for name, value in (("calib_size", calib_size), ("batch_size", batch_size), ("seq_len", seq_len)):
+    for name, value in (("calib_size", calib_size), ("batch_size", batch_size), ("seq_len", seq_len),
+                        ("world_size", world_size)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     eos = tokenizer.eos_token_id
     stream: list[int] = []
     for text in texts:
@@ -70,6 +101,9 @@ def calibration_batches(tokenizer, texts: list[str], *, calib_size: int, batch_s
         if len(stream) >= calib_size * seq_len:
             break
     blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)][:calib_size]
+    if not blocks:
+        raise ValueError(f"the calibration text yields no block of {seq_len} tokens: its {len(texts)} samples "
+                         f"give {len(stream)} tokens; give more text or a smaller seq_len")
     if len(blocks) < world_size:
         raise ValueError(f"the calibration text yields {len(blocks)} blocks of {seq_len} tokens, fewer than the "
                          f"{world_size} ranks")
