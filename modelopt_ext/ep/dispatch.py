@@ -97,5 +97,11 @@ def combine(y_RH: torch.Tensor, topk_weights_TK: torch.Tensor, meta: DispatchMet
     inverse_S[meta.order_S] = torch.arange(meta.order_S.numel(), device=meta.order_S.device)
     slots_TKH = back_SH.index_select(0, inverse_S).view(meta.num_tokens, meta.top_k, -1)
     if y_RH.dtype == torch.float32:
-        return (slots_TKH * topk_weights_TK.unsqueeze(-1).float()).sum(dim=1)
+        return weighted_sum(slots_TKH, topk_weights_TK)
     return torch.bmm(topk_weights_TK.to(y_RH.dtype).unsqueeze(1), slots_TKH).squeeze(1)
+
+
+def weighted_sum(slots_TKH: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    """[T, H] fp32: the K slot outputs of each token times their routing weights, summed in fp32 in slot order
+    (one fixed order for every token, whatever else the batch holds)."""
+    return (slots_TKH.float() * topk_weights_TK.unsqueeze(-1).float()).sum(dim=1)

@@ -27,11 +27,24 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import use_experts_implementation
 
+from modelopt_ext.ep.dispatch import weighted_sum
 from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+# CPU BLAS (MKL) computes GEMMs of fewer than 12 rows with other kernels that round differently, so an expert
+# that receives few tokens would give a token a result that depends on how many tokens share its expert (and
+# so on the EP degree). Padding to MIN_ROWS zero rows keeps each token's result independent of the others;
+# zero rows do not move max calibration statistics.
+MIN_ROWS = 16
+
+
+def _pad_rows(x_ML: torch.Tensor) -> torch.Tensor:
+    M = x_ML.shape[0]
+    return x_ML if M >= MIN_ROWS else torch.cat([x_ML, x_ML.new_zeros(MIN_ROWS - M, x_ML.shape[1])])
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -61,27 +74,30 @@ class _FusedExpertsBase(nn.Module):
         yield
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """Eager reference: one `F.linear` pair per expert that received tokens.
+        """Eager reference: one `F.linear` pair per expert that received tokens (the path ModelOpt's fused-expert
+        quantizers intercept, and so the one every calibration runs).
 
         Args:
             hidden_states: [T, L]; top_k_index: [T, k] int64 expert ids in [0, E], where E itself is the EP
                 sentinel (a slot routed to another rank) and is skipped; top_k_weights: [T, k] routing
                 weights (fp32 keeps upstream's accumulation).
         Returns:
-            [T, L] in hidden_states' dtype; weighted sums are accumulated in fp32.
+            [T, L] in hidden_states' dtype: each token's k expert outputs, weighted and summed in fp32 in slot
+            order, the same arithmetic as the expert-parallel combine (`ep.dispatch.weighted_sum`), so a token's
+            result does not depend on which other tokens share its experts or on the EP degree.
         """
         T, L = hidden_states.shape
-        out_TL = torch.zeros(T, L, dtype=torch.float32, device=hidden_states.device)
+        slots_TkL = hidden_states.new_zeros(T, top_k_index.shape[1], L)
         gate_up, down = self.gate_up_proj, self.down_proj
         with torch.no_grad():
             mask_EkT = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = mask_EkT[: self.num_experts].sum(dim=(1, 2)).nonzero().flatten().tolist()
         for e in hit:
             k_pos, token_idx = torch.where(mask_EkT[e])
-            h = self._apply_gate(F.linear(hidden_states[token_idx], gate_up[e]))
-            y = F.linear(h, down[e]) * top_k_weights[token_idx, k_pos, None]
-            out_TL.index_add_(0, token_idx, y.float())
-        return out_TL.to(hidden_states.dtype)
+            rows = _pad_rows(hidden_states[token_idx])
+            h = self._apply_gate(F.linear(rows, gate_up[e]))
+            slots_TkL[token_idx, k_pos] = F.linear(h, down[e])[: token_idx.numel()]
+        return weighted_sum(slots_TkL, top_k_weights).to(hidden_states.dtype)
 
 
 @use_experts_implementation(has_gate=True)
