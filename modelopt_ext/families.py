@@ -35,6 +35,9 @@ class FamilySpec:
             widths; `modelopt_ext.plan.REQUIRED_SIZES` lists the keys), if the family can be planned.
         bundled_configs: name -> config.json shipped with the package (e.g. the full-size model), usable
             in place of a checkpoint folder where only the config is needed (`modelopt-ext plan`).
+        default_recipe: the recipe `modelopt-ext ptq` uses without --recipe/--qformat (the production one).
+        export_expert_names: ModelOpt's per-expert projection names (gate_proj, up_proj, down_proj) -> the
+            names the checkpoint and serving engines use for them (e.g. w1, w3, w2).
     """
 
     name: str
@@ -51,8 +54,11 @@ class FamilySpec:
     router_glob: str | None = None
     sizes: Callable[[Mapping[str, Any]], Mapping[str, int]] | None = None
     bundled_configs: Mapping[str, Path] = dataclasses.field(default_factory=dict)
+    default_recipe: str | None = None
+    export_expert_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))
         object.__setattr__(self, "bundled_configs", MappingProxyType(dict(self.bundled_configs)))
         object.__setattr__(self, "min_versions", MappingProxyType(dict(self.min_versions)))
         object.__setattr__(self, "ep_plan", MappingProxyType(dict(self.ep_plan)))
@@ -115,3 +121,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
     return config
+
+
+def experts_module_glob(spec: FamilySpec) -> str:
+    """The routed experts' module name glob of a family (its EP plan's `ep_dispatch_experts` rule)."""
+    globs = [k for k, v in spec.ep_plan.items() if v == "ep_dispatch_experts"]
+    if len(globs) != 1:
+        raise ValueError(f"family {spec.name!r}: the EP plan needs exactly one ep_dispatch_experts rule, has {globs}")
+    return globs[0]

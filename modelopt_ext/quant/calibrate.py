@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from modelopt_ext.dist import mark
+
 from .coverage import Coverage, record_expert_coverage
 from .sync import calibration_algorithm, sync_amax
 
@@ -68,6 +70,40 @@ def all_experts_routing(model: torch.nn.Module, router_glob: str, num_experts: i
             h.remove()
 
 
+def _integer_params_under_fsdp(model: torch.nn.Module):
+    """ModelOpt reads FSDP-sharded weights by re-wrapping each gathered tensor as `nn.Parameter(t)`, which
+    refuses integer tensors (the packed MXFP4 experts). Its own `no_requires_grad` context creates them
+    without gradients; calibration needs none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return contextlib.nullcontext()
+    from modelopt.torch.quantization.utils.core_utils import no_requires_grad
+
+    return no_requires_grad()
+
+
+def name_parent_class_rules(quant_cfg: list, model: torch.nn.Module) -> list:
+    """`quant_cfg` with each `parent_class` entry (e.g. ModelOpt's "disable every quantizer of an
+    nn.Embedding") followed by the same entry spelt out per matching leaf module of `model`, by name.
+
+    ModelOpt matches `parent_class` against its quantized class, which an FSDP-wrapped module's converted
+    class is not a subclass of (measured: an FSDP-sharded embedding gets quantized by the FP8 recipe while
+    the same model unsharded does not), so under FSDP those rules would silently not apply."""
+    out = []
+    for entry in quant_cfg:
+        out.append(entry)
+        name = entry.get("parent_class") if isinstance(entry, dict) else None
+        cls = getattr(torch.nn, name.removeprefix("nn."), None) if isinstance(name, str) else None
+        if not isinstance(cls, type):
+            continue
+        leaves = [n for n, m in model.named_modules() if isinstance(m, cls) and not any(True for _ in m.children())]
+        for module_name in leaves:
+            pattern = entry.get("quantizer_name", "*")
+            out.append({**entry, "parent_class": None, "quantizer_name": f"{module_name}.{pattern}"})
+    return out
+
+
 def calibrate(
     model: torch.nn.Module,
     quant_cfg: Mapping[str, Any],
@@ -85,6 +121,8 @@ def calibrate(
         raise ValueError(f"uncovered-experts policy {uncovered!r} is not one of {POLICIES}")
     cfg = dict(quant_cfg)
     cfg["algorithm"] = calibration_algorithm(cfg.get("algorithm", "max"))
+    if isinstance(cfg.get("quant_cfg"), list):
+        cfg["quant_cfg"] = name_parent_class_rules(cfg["quant_cfg"], model)
     batches = list(batches)
     routing = all_experts_routing(model, router_glob, num_experts) if uncovered == "all-experts" else (
         contextlib.nullcontext())
@@ -94,11 +132,13 @@ def calibrate(
         def forward_loop(m):
             with torch.no_grad():
                 for i, batch in enumerate(batches):
+                    mark(f"calibrate batch {i + 1}/{len(batches)}")
                     m(**batch, use_cache=False)
                     if progress is not None:
                         progress(i + 1)
 
-        model = mtq.quantize(model, cfg, forward_loop)
+        with _integer_params_under_fsdp(model):
+            model = mtq.quantize(model, cfg, forward_loop)
     report = sync_amax(model) if dist.is_available() and dist.is_initialized() else None
     missing = coverage.uncovered()
     if missing:

@@ -28,7 +28,7 @@ def _expert_amax(ckpt, layer, expert, proj):
     # ModelOpt's FSDP2 weight-access context re-wraps every parameter as a grad-requiring nn.Parameter, which
     # the uint8 MXFP4 expert tensors cannot be: EP calibration with FSDP-sharded dense layers is the
     # calibration issue's work.
-    pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason="ModelOpt FSDP2 weight access vs uint8 params")),
+    pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason="raw mtq.quantize: ModelOpt FSDP2 weight access re-wraps uint8 params; modelopt_ext calibrate() avoids it")),
 ])
 def test_fp8_calibration_under_ep_keeps_experts_apart(tiny_ckpt, dense):
     results = run_ranks("modelopt_ext.testing.ep_bodies:ep_modelopt_fp8", 2, {"ckpt": str(tiny_ckpt), "dense": dense},

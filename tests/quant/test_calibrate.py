@@ -51,3 +51,17 @@ def test_all_experts_routing_keeps_outputs(tiny_ckpt, tmp_path):
 def test_unknown_policy(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match="policy 'sometimes' is not one of"):
         calibrate(torch.nn.Linear(2, 2), {}, [], router_glob="x", num_experts=1, uncovered="sometimes")
+
+
+def test_parent_class_rules_are_spelt_out_per_module():
+    """ModelOpt's parent_class rules do not match FSDP-wrapped modules; calibrate adds the same rule by name
+    after each, for the model's leaf modules of that class."""
+    from modelopt_ext.quant.calibrate import name_parent_class_rules
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 8), torch.nn.Linear(8, 8))
+    cfg = [{"quantizer_name": "*", "cfg": {"num_bits": 8}},
+           {"parent_class": "nn.Embedding", "quantizer_name": "*", "enable": False},
+           {"parent_class": "SomethingCustom", "quantizer_name": "*", "enable": False}]
+    out = name_parent_class_rules(cfg, model)
+    assert out[:2] == cfg[:2] and out[3] == cfg[2]
+    assert out[2] == {"parent_class": None, "quantizer_name": "0.*", "enable": False}

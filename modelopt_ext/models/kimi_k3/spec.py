@@ -47,6 +47,7 @@ def quantizer_exclusions(config) -> tuple[str, ...]:
         "*vision_tower*",
         "*mm_projector*",
         "*lm_head*",
+        "*embed_tokens*",
     ]
     for i in kda_layers:
         patterns += [f"*layers.{i}.self_attn.{p}*" for p in ("f_a_proj", "f_b_proj", "b_proj", "g_proj")]
@@ -81,5 +82,7 @@ KIMI_K3 = register_family(
         router_glob=f"{_LAYERS}.block_sparse_moe.gate",
         sizes=plan_sizes,
         bundled_configs={"kimi-k3": BUNDLED_CONFIG},
+        default_recipe="kimi_k3/nvfp4_experts-fp8_attention",
+        export_expert_names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
     )
 )

@@ -1,0 +1,306 @@
+"""Per-rank export of a calibrated (EP) model to ModelOpt's unified Hugging Face checkpoint format.
+
+    result = export_checkpoint(model, export_dir, source_dir=checkpoint, overwrite=False)
+
+Collective under torch.distributed (every rank calls it; each step fails on every rank together):
+
+1. plan: the file layout (`files.ExportFiles`, independent of the number of ranks), the export dtype and
+   ModelOpt's quantization config (`hf_quant_config.json`), checked equal on every rank;
+2. units, in a fixed order (everything outside the decoder layers, then each layer): the unit's tensors are
+   made plain (`materialize`: FSDP-sharded ones gathered, expert-parallel ones kept local), ModelOpt's export
+   handlers quantize its weights and split fused experts into per-expert tensors, experts are renamed to
+   their global ids and the checkpoint's projection names (w1/w3/w2), each rank writes the files it owns
+   (its experts' blocks; dense files round-robin) into a staging directory, and the unit is released;
+3. rank 0 writes the index, config.json (with `quantization_config`), hf_quant_config.json, the source's
+   remote code, tokenizer and generation config, `write_extra`'s files and, last, MANIFEST.sha256, then
+   renames the staging directory to `export_dir`.
+
+Unquantized tensors keep the source checkpoint's dtype and bytes (a model loaded in float32 is cast back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from modelopt_ext.dist import agree, all_or_fail
+from modelopt_ext.export.compat import KV_CACHE_MAX_BOUND, export_dtype, fused_property_weights, modelopt_export_api
+from modelopt_ext.export.files import ExportFiles, check_experts_per_file, expert_key_renamer
+from modelopt_ext.export.layout import INDEX_NAME, _read_header
+from modelopt_ext.export.manifest import _write_manifest, file_digests
+from modelopt_ext.export.materialize import expert_offset, materialize, release
+from modelopt_ext.export.staging import (
+    ExportDirError,
+    check_export_dir,
+    copy_source_files,
+    discard,
+    publish,
+    staging_dir,
+)
+from modelopt_ext.families import FamilySpec, experts_module_glob, family_for_config, read_config
+
+logger = logging.getLogger(__name__)
+__all__ = ["ExportDirError", "ExportResult", "check_export_dir", "export_checkpoint"]
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    export_dir: Path
+    files: int  # safetensors files
+    tensors: int
+    total_bytes: int  # tensor data bytes in the index
+    bytes_written: tuple[int, ...]  # tensor data bytes each rank wrote
+    seconds: float
+
+
+def _world() -> tuple[int, int, bool]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def _gather(value: Any, distributed: bool) -> list[Any]:
+    if not distributed:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None) -> ExportFiles:
+    layers, _, suffix = experts_module_glob(family).partition(".*.")
+    container = model.get_submodule(layers)
+    moe = tuple(i for i, layer in enumerate(container) if _has_submodule(layer, suffix))
+    if not moe:
+        raise ValueError(f"no decoder layer of the model has routed experts at {layers}.*.{suffix}")
+    local = container[moe[0]].get_submodule(suffix).num_experts
+    plan = getattr(model, "modelopt_ext_plan", None)
+    ep_size = plan.ep_size if plan is not None else 1
+    per_file = check_experts_per_file(local * ep_size, ep_size, experts_per_file)
+    return ExportFiles(layers, len(container), moe, suffix, local * ep_size, per_file)
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _source_dtypes(source_dir: Path) -> dict[str, torch.dtype]:
+    """Floating-point dtype of every tensor of the source checkpoint (headers only)."""
+    problems: list[str] = []
+    dtypes = {}
+    for shard in sorted(source_dir.glob("*.safetensors")):
+        for key, entry in (_read_header(shard, problems) or {}).items():
+            if entry.dtype in _SAFETENSORS_DTYPES:
+                dtypes[key] = _SAFETENSORS_DTYPES[entry.dtype]
+    if problems:
+        raise ValueError(f"source checkpoint {source_dir}: {'; '.join(problems)}")
+    return dtypes
+
+
+def _refuse_cross_module_formats(quant_config: dict) -> None:
+    """AWQ / SVDQuant exports need ModelOpt's pre-quant-scale fusion across modules (a dummy forward), which
+    a unit-by-unit export does not do."""
+    q = quant_config.get("quantization", {})
+    algos = [q.get("quant_algo")] + [v.get("quant_algo") for v in (q.get("quantized_layers") or {}).values()]
+    bad = sorted({a for a in algos if a and ("awq" in a.lower() or "svdquant" in a.lower())})
+    if bad:
+        raise ValueError(f"the per-rank exporter cannot write {bad} (pre-quant scales are fused across modules); "
+                         "use a max-calibrated FP8/NVFP4 recipe")
+
+
+@dataclasses.dataclass
+class _Unit:
+    layer: int | None  # None: everything outside the decoder layers
+    modules: Callable[[], list[tuple[str, nn.Module]]]  # re-listed after handlers add per-expert modules
+
+
+def _units(model: nn.Module, files: ExportFiles) -> list[_Unit]:
+    container = model.get_submodule(files.layers)
+
+    def rest():
+        return [(n, m) for n, m in model.named_modules()
+                if n != files.layers and not n.startswith(files.layers + ".")]
+
+    def layer_modules(i):
+        return lambda: [(f"{files.layers}.{i}" + (f".{n}" if n else ""), m) for n, m in container[i].named_modules()]
+
+    return [_Unit(None, rest)] + [_Unit(i, layer_modules(i)) for i in range(files.num_layers)]
+
+
+class _UnitExporter:
+    """Exports units one at a time on this rank (see the module doc, step 2)."""
+
+    def __init__(self, model, files: ExportFiles, family: FamilySpec, api, dtype, quant_config, source_dtypes,
+                 staging: Path, rank: int, world: int):
+        self.model, self.files, self.api, self.dtype = model, files, api, dtype
+        self.kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
+        self.source_dtypes, self.staging, self.rank, self.world = source_dtypes, staging, rank, world
+        self.rename = expert_key_renamer(files.experts_suffix, family.export_expert_names)
+        self.context = api.export_context(model=nn.Module(), dtype=dtype, is_modelopt_qlora=False)
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        self.tied = set(tied) if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
+        self.written: dict[str, str] = {}
+        self.bytes_written = 0
+
+    def export(self, unit: _Unit) -> None:
+        modules = unit.modules()
+        offsets = {name: expert_offset(m) for name, m in modules if name.endswith("." + self.files.experts_suffix)}
+        materialize(m for _, m in modules)
+        for name, module in modules:
+            self.api.dispatch_export_handler(name, module, self.context)
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for name, module in unit.modules():
+            items = list(module._parameters.items()) + [
+                (b, t) for b, t in module._buffers.items() if b not in module._non_persistent_buffers_set]
+            for attr, value in items:
+                if value is None:
+                    continue
+                key, value = self._tensor(f"{name}.{attr}", value, offsets)
+                if key is not None:
+                    tensors.setdefault(self.files.file_of(key), {})[key] = value
+        for file, content in sorted(tensors.items()):
+            if self._writes(unit, file):
+                self._save(file, content)
+        release(m for _, m in unit.modules())
+
+    def _tensor(self, key: str, value: torch.Tensor, offsets: dict[str, int]):
+        key, value = self.api.postprocess_tensor(key, value.detach(), KV_CACHE_MAX_BOUND, self.kv_format, False)
+        if key is None or value is None or key in self.tied:
+            return None, None
+        for prefix, offset in offsets.items():
+            if key.startswith(prefix + "."):
+                key = self.rename(key, offset)
+                break
+        source = self.source_dtypes.get(key)
+        if source is not None and value.dtype in _SAFETENSORS_DTYPES.values() and value.dtype != source:
+            value = value.to(source)  # an unquantized tensor of a model loaded in another precision
+        return key, value
+
+    def _writes(self, unit: _Unit, file: str) -> bool:
+        if unit.layer is not None and file != self.files.dense_file(unit.layer):
+            return True  # an experts block: only its holder produced it
+        return self.rank == self.files.dense_writer(unit.layer, self.world)
+
+    def _save(self, file: str, content: dict[str, torch.Tensor]) -> None:
+        seen, out = set(), {}
+        for key in sorted(content):
+            t = content[key].contiguous().cpu()
+            if t.data_ptr() in seen:
+                t = t.clone()
+            seen.add(t.data_ptr())
+            out[key] = t
+        save_file(out, str(self.staging / file), metadata={"format": "pt"})
+        for key, t in out.items():
+            self.written[key] = file
+            self.bytes_written += t.numel() * t.element_size()
+
+
+def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
+              quant_config: dict, api, write_extra) -> tuple[int, int]:
+    weight_map: dict[str, str] = {}
+    for rank, part in enumerate(maps):
+        for key, file in part.items():
+            if key in weight_map:
+                raise RuntimeError(f"tensor {key} was written twice ({weight_map[key]} and {file}, rank {rank})")
+            weight_map[key] = file
+    planned = {files.name(k) for k in range(1, files.count + 1)}
+    if set(weight_map.values()) != planned:
+        raise RuntimeError(f"files planned but not written: {sorted(planned - set(weight_map.values()))}; "
+                           f"written but not planned: {sorted(set(weight_map.values()) - planned)}")
+    total = sum(e.nbytes for f in sorted(planned) for e in (_read_header(staging / f, []) or {}).values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    copy_source_files(source_dir, staging)
+    config = read_config(source_dir)
+    config["quantization_config"] = api.convert_quant_config(quant_config)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (staging / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
+    if write_extra is not None:
+        write_extra(staging)
+    _write_manifest(staging, file_digests(staging))
+    return len(weight_map), total
+
+
+def export_checkpoint(
+    model: nn.Module,
+    export_dir,
+    *,
+    source_dir,
+    overwrite: bool = False,
+    experts_per_file: int | None = None,
+    write_extra: Callable[[Path], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ExportResult:
+    """Export `model` (quantized by ModelOpt, possibly expert-parallel) to `export_dir`; see the module doc.
+
+    Args:
+        source_dir: the checkpoint the model was loaded from (config, remote code, tokenizer, source dtypes).
+        overwrite: replace a non-empty `export_dir` (only once the new export is complete).
+        experts_per_file: routed experts per safetensors file (see `files.py` for the default).
+        write_extra: called on rank 0 with the staging directory to add files (e.g. coverage reports).
+        progress: called on every rank with (units done, units) after each unit.
+    """
+    start = time.perf_counter()
+    rank, world, distributed = _world()
+
+    def step(name: str, fn):
+        return all_or_fail(name, fn) if distributed else fn()
+
+    export_dir = check_export_dir(export_dir, overwrite)
+    source_dir = Path(source_dir)
+    api = modelopt_export_api()
+
+    def plan():
+        family = family_for_config(read_config(source_dir), source=str(source_dir / "config.json"))
+        files = _file_plan(model, family, experts_per_file)
+        dtype = export_dtype(model, api)
+        api.prepare_moe_inputs(model, dtype, False)
+        api.sync_moe_gate_up(model)
+        with fused_property_weights():
+            quant_config = api.get_quant_config(model)
+        _refuse_cross_module_formats(quant_config)
+        return family, files, dtype, quant_config, _source_dtypes(source_dir)
+
+    family, files, dtype, quant_config, source_dtypes = step("export planning", plan)
+    if distributed:
+        agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
+    staging = step("export staging", lambda: staging_dir(export_dir) if rank == 0 else None)
+    staging = Path(_gather(str(staging) if staging else None, distributed)[0])
+    try:
+        exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank, world)
+        units = _units(model, files)
+        for i, unit in enumerate(units):
+            what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
+            step(f"export of {what}", lambda unit=unit: exporter.export(unit))
+            if progress is not None:
+                progress(i + 1, len(units))
+        maps = _gather(exporter.written, distributed)
+        written = tuple(_gather(exporter.bytes_written, distributed))
+        result = step("export finalization", lambda: _finalize(staging, source_dir, files, maps, quant_config, api,
+                                                               write_extra) if rank == 0 else None)
+        tensors, total = _gather(result, distributed)[0]
+        step("export publishing", lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
+    except BaseException:
+        if rank == 0:
+            discard(staging)
+        raise
+    seconds = time.perf_counter() - start
+    logger.info("exported %d tensors (%s bytes) in %d files to %s in %.1f s", tensors, f"{total:,}", files.count,
+                export_dir, seconds)
+    return ExportResult(export_dir, files.count, tensors, total, written, seconds)

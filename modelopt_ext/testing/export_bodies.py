@@ -1,0 +1,58 @@
+"""Per-rank bodies for the export tests (run by `modelopt_ext.testing.multiproc.run_ranks`, or called directly
+with rank 0 of 1 for the single-process reference)."""
+
+from __future__ import annotations
+
+import torch
+
+import modelopt_ext
+from modelopt_ext.testing.ep_bodies import _force_routing
+
+CALIB_BATCHES = 4
+
+
+def calibration_batches(rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Rank `rank`'s share of a fixed set of batches (every rank the same batch shape)."""
+    batches = [torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + i))
+               for i in range(CALIB_BATCHES)]
+    return [{"input_ids": b} for b in batches[rank::world_size]]
+
+
+def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str | None = None,
+                         force_experts: list[int] | None = None, fail_on_rank: int | None = None):
+    """Load (EP when `dense` is given), calibrate `recipe` (max) on this rank's batches, export to `out`."""
+    from modelopt_ext.export.writer import export_checkpoint
+    from modelopt_ext.families import families
+    from modelopt_ext.quant.calibrate import calibrate
+    from modelopt_ext.quant.recipes import quant_config
+
+    spec = families()["kimi_k3"]
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32}
+    if dense is not None:
+        kwargs.update(ep_size=world_size, dense=dense)
+    model = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    if force_experts is not None:
+        _force_routing(model, force_experts)
+    result = calibrate(model, quant_config(recipe, model.config), calibration_batches(rank, world_size),
+                       router_glob=spec.router_glob, num_experts=16)
+    if fail_on_rank is not None:
+        _fail_during_export(result.model, fail_on_rank == rank)
+    return export_checkpoint(result.model, out, source_dir=ckpt, overwrite=True,
+                             write_extra=lambda staging: result.coverage.write_json(staging / "coverage.json"))
+
+
+def _fail_during_export(model, fail: bool) -> None:
+    """Make this rank raise while it exports the third unit (decoder layer 1)."""
+    if not fail:
+        return
+    import modelopt_ext.export.writer as writer
+
+    original, calls = writer.materialize, []
+
+    def failing(modules):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected export failure")
+        return original(modules)
+
+    writer.materialize = failing

@@ -1,0 +1,117 @@
+"""Tests for modelopt_ext.export.writer: per-rank exports on real gloo ranks equal the single-process export
+byte for byte, and an export is only ever visible complete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from modelopt_ext.export.manifest import MANIFEST_NAME
+from modelopt_ext.export.writer import ExportDirError, check_export_dir
+from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.export_bodies import calibrate_and_export
+from modelopt_ext.testing.multiproc import run_ranks
+
+PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
+FP8 = "kimi_k3/fp8_all"
+BODY = "modelopt_ext.testing.export_bodies:calibrate_and_export"
+
+
+@pytest.fixture(scope="module")
+def source(tiny_ckpt, tmp_path_factory) -> Path:
+    return copy_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("writer"), "writer_src")
+
+
+@pytest.fixture(scope="module")
+def single(source, tmp_path_factory):
+    """Single-process exports, by recipe."""
+    root = tmp_path_factory.mktemp("single")
+    out = {}
+    for recipe in (PRODUCTION, FP8):
+        out[recipe] = root / recipe.replace("/", "_")
+        calibrate_and_export(0, 1, str(source), str(out[recipe]), recipe)
+    return out
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def _assert_identical(a: Path, b: Path) -> None:
+    fa, fb = _files(a), _files(b)
+    assert sorted(fa) == sorted(fb)
+    differing = [name for name in fa if fa[name] != fb[name]]
+    assert not differing, f"{b} differs from {a} in {differing}"
+
+
+def test_single_process_export_layout(single, source):
+    export = single[PRODUCTION]
+    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    experts = "language_model.model.layers.1.block_sparse_moe.experts"
+    for e in (0, 15):
+        for proj in ("w1", "w2", "w3"):
+            for part in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+                assert f"{experts}.{e}.{proj}.{part}" in index
+    assert not any(".experts." in k and ".gate_proj." in k or "_quantizer" in k for k in index)
+    config = json.loads((export / "config.json").read_text())
+    hf = json.loads((export / "hf_quant_config.json").read_text())
+    assert hf["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    assert hf["quantization"]["quantized_layers"][experts]["quant_algo"] == "NVFP4"
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    for name in ("modeling_kimi_k3.py", "modeling_kimi_linear.py", "configuration_kimi_k3.py", "tokenizer.json",
+                 "coverage.json", MANIFEST_NAME):
+        assert (export / name).is_file(), name
+    assert not list(export.parent.glob(f".{export.name}.*")), "staging directory left behind"
+
+
+@pytest.mark.parametrize("recipe, world_size, dense", [
+    (PRODUCTION, 2, "replicate"), (PRODUCTION, 2, "fsdp"), (PRODUCTION, 4, "replicate"), (PRODUCTION, 4, "fsdp"),
+    (FP8, 2, "fsdp"), (FP8, 4, "replicate"),
+])
+def test_ep_export_is_byte_identical_to_single_process(single, source, tmp_path, recipe, world_size, dense):
+    out = tmp_path / "export"
+    results = run_ranks(BODY, world_size, {"ckpt": str(source), "out": str(out), "recipe": recipe, "dense": dense},
+                        timeout_s=400)
+    _assert_identical(single[recipe], out)
+    # every rank wrote a share: its own experts' files (and dense files round-robin)
+    assert all(b > 0 for b in results[0].bytes_written)
+    assert sum(results[0].bytes_written) == results[0].total_bytes
+
+
+def test_uncovered_experts_export_identically(source, tmp_path):
+    """Routing forced to experts 0..3 (rank 0's at EP2): the others get no token and take their input scale
+    from the layer's shared input quantizer; EP2 and one process still agree byte for byte."""
+    ref, out = tmp_path / "single", tmp_path / "ep2"
+    calibrate_and_export(0, 1, str(source), str(ref), PRODUCTION, force_experts=[0, 1, 2, 3])
+    run_ranks(BODY, 2, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": "replicate",
+                        "force_experts": [0, 1, 2, 3]}, timeout_s=300)
+    _assert_identical(ref, out)
+    coverage = json.loads((out / "coverage.json").read_text())
+    assert all(v == list(range(4, 16)) for v in coverage["uncovered"].values())
+
+
+def test_failed_rank_leaves_no_export(source, tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous export")
+    with pytest.raises(RuntimeError) as e:
+        run_ranks(BODY, 2, {"ckpt": str(source), "out": str(out), "recipe": FP8, "dense": "replicate",
+                            "fail_on_rank": 1}, timeout_s=300)
+    message = str(e.value)
+    assert "failed during export of layer 1" in message and "rank 1: RuntimeError: injected export failure" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging directory left
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # the previous content is untouched
+
+
+def test_check_export_dir(tmp_path):
+    assert check_export_dir(tmp_path / "new", overwrite=False) == (tmp_path / "new").absolute()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ExportDirError, match="is not empty; pass --overwrite"):
+        check_export_dir(tmp_path / "full", overwrite=False)
+    assert check_export_dir(tmp_path / "full", overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportDirError, match="not a directory"):
+        check_export_dir(tmp_path / "file", overwrite=True)
