@@ -137,12 +137,76 @@ def _run_verify(args) -> int:
     return 0
 
 
+def _add_ptq(sub) -> None:
+    from modelopt_ext.dist import DEFAULT_TIMEOUT_S
+
+    p = sub.add_parser(
+        "ptq",
+        help="calibrate a checkpoint with a quantization recipe and export it (expert-parallel under torchrun)",
+        description="Validate, load, calibrate and export; run under torchrun for expert parallelism. "
+        "hf_ptq.py spellings are accepted: --pyt_ckpt_path, --export_path, --calib_size, --batch_size, --calib_seq.",
+    )
+    p.add_argument("--model", "--pyt_ckpt_path", dest="model", required=True, metavar="DIR",
+                   help="local checkpoint folder")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--recipe", metavar="NAME|PATH", default=None,
+                       help="quantization recipe: shipped name or YAML path (default: the family's production recipe)")
+    which.add_argument("--qformat", metavar="NAME", default=None, help="hf_ptq.py preset name mapped to a recipe")
+    p.add_argument("--set", dest="set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe override, e.g. quantize.algorithm.method=max (repeatable)")
+    p.add_argument("--export-dir", "--export_path", dest="export_dir", required=True, metavar="DIR")
+    p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty export dir")
+    p.add_argument("--calib-size", "--calib_size", dest="calib_size", type=int, default=512, metavar="N",
+                   help="calibration blocks of --seq-len tokens, over all ranks (default 512)")
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=4, metavar="N",
+                   help="blocks per forward and rank (default 4)")
+    p.add_argument("--seq-len", "--calib_seq", dest="seq_len", type=int, default=512, metavar="N",
+                   help="tokens per block (default 512)")
+    p.add_argument("--dataset", default=None, metavar="PATH",
+                   help="calibration texts, JSONL or text (default: the embedded set)")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert-parallel degree (default: the world size under torchrun, none otherwise)")
+    p.add_argument("--dense", choices=["replicate", "fsdp"], default=None, help="dense layers (default: automatic)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--experts-implementation", choices=["eager", "grouped_mm", "batched_mm"], default=None,
+                   help="transformers experts implementation (default: transformers' choice)")
+    p.add_argument("--uncovered-experts", choices=["weights", "all-experts", "fail"], default="weights",
+                   help="experts that see no calibration token (default: weights)")
+    p.add_argument("--experts-per-file", type=int, default=None, metavar="N", help="experts per safetensors file")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"bound on every collective wait (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--summary-json", default=None, metavar="PATH", help="also write the summary as JSON (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _run_ptq(args) -> int:
+    import os
+
+    from modelopt_ext.dist import RankFailure
+    from modelopt_ext.ptq import PtqError, run_ptq
+
+    if int(os.environ.get("RANK", "0")) > 0 and not args.verbose:
+        logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports
+    try:
+        summary = run_ptq(args)
+    except (PtqError, RankFailure, ValueError, OSError) as e:
+        logging.getLogger(__name__).debug("ptq failed", exc_info=True)
+        message = " ".join(line.strip() for line in str(e).splitlines())
+        print(f"modelopt-ext ptq: error: {message}", file=sys.stderr)
+        return 1
+    if summary.rank == 0:
+        for line in summary.lines():
+            print(line)
+    return 0
+
+
 COMMANDS = {
     "make-tiny": (_add_make_tiny, _run_make_tiny),
     "forward": (_add_forward, _run_forward),
     "lock-remote-code": (_add_lock, _run_lock),
     "plan": (_add_plan, _run_plan),
     "verify": (_add_verify, _run_verify),
+    "ptq": (_add_ptq, _run_ptq),
 }
 
 

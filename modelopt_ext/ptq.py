@@ -1,0 +1,324 @@
+"""`modelopt-ext ptq`: validate, load (expert-parallel under torchrun), calibrate, export, summarise.
+
+    torchrun --nproc-per-node 8 -m modelopt_ext ptq --model CKPT --export-dir OUT [--recipe NAME]
+
+Phases, each timed, run on every rank in step:
+
+- validate: what can be checked before loading: sizes, the checkpoint's config.json and family, the recipe
+  with its `--set` overrides, the tokenizer and the calibration data, the export folder (`check_export_dir`).
+  Under torchrun the ranks first check that they all got the same arguments (`dist.agree`).
+- load: `modelopt_ext.from_pretrained` with EP degree `--ep` (default: the world size under torchrun).
+- calibrate: the recipe's quant config with the family's exclusions, this rank's batches (cut to the same
+  count on every rank: EP forwards are collective), `calibrate`. The recipe's patterns are checked against
+  the quantized model after the first batch rather than after the whole run.
+- export: `export_checkpoint`, with the expert coverage (coverage.json, coverage.png) added to the export.
+- summary: per-rank figures gathered to every rank (`PtqSummary`), logged on rank 0.
+
+Under torch.distributed each phase runs inside `dist.all_or_fail`, so every rank fails together; a failure
+leaves `run_ptq` as `PtqError`, whose message starts with the phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import modelopt_ext
+from modelopt_ext.dist import RankFailure, agree, all_or_fail, init_distributed
+from modelopt_ext.export import writer
+from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
+from modelopt_ext.quant import recipes
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("validate", "load", "calibrate", "export", "summary")
+POSITIVE = ("calib_size", "batch_size", "seq_len", "ep", "experts_per_file", "timeout")
+
+
+class PtqError(RuntimeError):
+    """A phase failed (on this rank or, under torch.distributed, on any rank); the message starts with it."""
+
+    def __init__(self, phase: str, message: str):
+        super().__init__(f"{phase}: {message}")
+        self.phase = phase
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What validation resolved: the family, recipe, tokenizer, calibration texts and export folder."""
+
+    family: Any
+    num_experts: int
+    recipe: recipes.Recipe
+    tokenizer: Any
+    texts: list[str]
+    export_dir: Path
+
+
+@dataclasses.dataclass
+class PtqSummary:
+    """Figures of one run, the same on every rank; lists hold one value per rank."""
+
+    export_dir: str
+    recipe: str
+    world_size: int
+    ep_size: int | None
+    seconds: dict[str, float]  # phase -> wall-clock seconds on this rank
+    tokens: list[int]  # calibration tokens
+    peak_host_bytes: list[int]  # max resident set size
+    peak_device_bytes: list[int | None]  # torch.cuda.max_memory_allocated; None without CUDA
+    bytes_read: list[int]  # checkpoint bytes read while loading
+    bytes_written: list[int]  # tensor bytes written by the export
+    coverage: str  # Coverage.summary_line()
+    rank: int = dataclasses.field(default=0, compare=False)  # the rank holding this copy
+
+    @property
+    def calib_tokens(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        seconds = self.seconds.get("calibrate", 0.0)
+        return self.calib_tokens / seconds if seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        del data["rank"]
+        data.update(calib_tokens=self.calib_tokens, tokens_per_s=round(self.tokens_per_s, 1))
+        return data
+
+    def lines(self) -> list[str]:
+        ep = f"EP {self.ep_size}" if self.ep_size else "no EP"
+        times = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
+        lines = [
+            f"exported {self.export_dir} (recipe {self.recipe}; {self.world_size} rank(s), {ep})",
+            f"time: {times}; total {sum(self.seconds.values()):.1f} s",
+            f"calibration: {self.calib_tokens:,} tokens, {self.tokens_per_s:,.0f} tokens/s",
+        ]
+        for r in range(self.world_size):
+            device = self.peak_device_bytes[r]
+            lines.append(
+                f"rank {r}: peak memory host {format_bytes(self.peak_host_bytes[r])}, device "
+                f"{'-' if device is None else format_bytes(device)}; read {format_bytes(self.bytes_read[r])}, "
+                f"written {format_bytes(self.bytes_written[r])}"
+            )
+        return lines + [self.coverage]
+
+
+def check_sizes(args) -> None:
+    """Every size and count argument is positive (None means unset)."""
+    for name in POSITIVE:
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def recipe_name(path: Path) -> str:
+    """`kimi_k3/fp8_all` for a shipped recipe, the path otherwise."""
+    with contextlib.suppress(ValueError):
+        return Path(path).relative_to(recipes.RECIPES_DIR).with_suffix("").as_posix()
+    return str(path)
+
+
+def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = None) -> Inputs:
+    """Check everything that can be checked before loading; raises ValueError/OSError naming the problem."""
+    from transformers import AutoTokenizer
+
+    from modelopt_ext.checkpoint_files import check_checkpoint_files
+    from modelopt_ext.export.files import check_experts_per_file
+    from modelopt_ext.families import family_for_config
+    from modelopt_ext.quant.data import load_texts
+
+    check_sizes(args)
+    if args.calib_size < world_size:
+        raise ValueError(f"--calib-size {args.calib_size} is smaller than the {world_size} ranks")
+    if args.dense is not None and ep_size is None:
+        raise ValueError(f"--dense {args.dense} places the dense layers of an EP run; there is no EP here")
+    config = check_checkpoint_files(args.model).config
+    family = family_for_config(config, source=str(Path(args.model) / "config.json"))
+    if family.router_glob is None or family.sizes is None:
+        raise ValueError(f"family {family.name!r} has no router glob or sizes: expert coverage cannot be recorded")
+    num_experts = int(family.sizes(config)["num_experts"])
+    check_experts_per_file(num_experts, ep_size or 1, args.experts_per_file)
+    if args.qformat is not None:
+        source = recipes.recipe_for_qformat(args.qformat, family.name)
+    elif args.recipe is not None:
+        source = args.recipe
+    elif family.default_recipe is not None:
+        source = family.default_recipe
+    else:
+        raise ValueError(f"family {family.name!r} has no default recipe; give --recipe or --qformat")
+    recipe = recipes.load(source, overrides=args.set or ())
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    texts = load_texts(args.dataset, tokenizer)
+    summary_dir = Path(args.summary_json).absolute().parent if args.summary_json else None
+    if rank == 0 and summary_dir is not None and not (summary_dir.is_dir() and os.access(summary_dir, os.W_OK)):
+        raise ValueError(f"--summary-json {args.summary_json}: {summary_dir} is not a writable directory")
+    export_dir = writer.check_export_dir(args.export_dir, args.overwrite)
+    return Inputs(family, num_experts, recipe, tokenizer, texts, Path(export_dir))
+
+
+def run_ptq(args) -> PtqSummary:
+    """Run the phases (see the module doc) for parsed `modelopt-ext ptq` arguments; returns the summary on
+    every rank. Joins the process group when WORLD_SIZE > 1 or `--ep` is given, and leaves it at the end."""
+    run = _Run(args)
+    try:
+        return run.main()
+    finally:
+        if run.owns_group:
+            dist.destroy_process_group()
+
+
+class _Run:
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world_size, self.ep_size = 0, 1, None
+        self.distributed = self.owns_group = False
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        except PtqError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves as PtqError naming the phase
+            detail = str(e) if isinstance(e, (RankFailure, ValueError, OSError)) else f"{type(e).__name__}: {e}"
+            raise PtqError(name, detail) from e
+        self.seconds[name] = round(time.monotonic() - start, 3)
+        if self.rank == 0:
+            logger.info("%s done in %.1f s", name, self.seconds[name])
+
+    def step(self, name: str, fn):
+        return all_or_fail(name, fn) if self.distributed else fn()
+
+    def main(self) -> PtqSummary:
+        a = self.args
+        with self.phase("validate"):
+            check_sizes(a)
+            self._join()
+            if self.distributed:
+                agree("the ptq arguments", {k: v for k, v in sorted(vars(a).items()) if not callable(v)})
+            inputs = self.step(
+                "validate", lambda: validate(a, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)
+            )
+        with self.phase("load"):
+            model = self.step("load", self._load)
+        with self.phase("calibrate"):
+            result, tokens = self._calibrate(model, inputs)
+        with self.phase("export"):
+            export = self.step("export", lambda: self._export(result))
+        with self.phase("summary"):
+            summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line())
+        if self.rank == 0:
+            logger.info("ptq summary: %s", json.dumps(summary.to_dict()))
+            if a.summary_json:
+                try:
+                    Path(a.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+                except OSError as e:
+                    raise PtqError("summary", f"cannot write --summary-json: {e}") from e
+        return summary
+
+    def _join(self) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or self.args.ep is not None or dist.is_initialized():
+            joined = dist.is_initialized()
+            try:
+                self.rank, self.world_size = init_distributed(self.args.timeout)
+            except RuntimeError as e:  # no torchrun environment, or the rendezvous failed
+                raise ValueError(str(e)) from e
+            self.distributed, self.owns_group = True, not joined
+        self.ep_size = self.args.ep if self.args.ep is not None else (self.world_size if self.distributed else None)
+
+    def _load(self):
+        a = self.args
+        kwargs: dict[str, Any] = {"trust_remote_code": True, "dtype": getattr(torch, a.dtype)}
+        if a.experts_implementation is not None:
+            kwargs["experts_implementation"] = a.experts_implementation
+        if self.ep_size is None:
+            if torch.cuda.is_available():
+                kwargs["device_map"] = "cuda"
+            return modelopt_ext.from_pretrained(a.model, **kwargs)
+        return modelopt_ext.from_pretrained(a.model, ep_size=self.ep_size, dense=a.dense, timeout_s=a.timeout, **kwargs)
+
+    def _calibrate(self, model, inputs: Inputs):
+        from modelopt_ext.quant.calibrate import calibrate
+        from modelopt_ext.quant.data import calibration_batches
+
+        a = self.args
+        sizes = {"calib_size": a.calib_size, "batch_size": a.batch_size, "seq_len": a.seq_len}
+
+        def prepare():
+            cfg = recipes.quant_config(inputs.recipe, model.config)
+            return cfg, calibration_batches(
+                inputs.tokenizer, inputs.texts, **sizes, rank=self.rank, world_size=self.world_size
+            )
+
+        cfg, batches = self.step("calibrate", prepare)
+        if self.distributed:  # every rank must run the same number of (collective) EP forwards
+            counts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(counts, len(batches))
+            if min(counts) < len(batches):
+                logger.warning("rank %d: calibrating on %d of its %d batches", self.rank, min(counts), len(batches))
+                batches = batches[: min(counts)]
+        embeddings = model.get_input_embeddings()
+        device = embeddings.weight.device if embeddings is not None else torch.device("cpu")
+        batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
+        tokens = sum(int(batch["input_ids"].numel()) for batch in batches)
+        bar = ProgressBar("calibrate", total=len(batches), enabled=self._show_progress(), unit="batch")
+
+        def on_batch(done: int) -> None:
+            if done == 1:  # the model is converted by now: a pattern that matches nothing fails early
+                recipes.check_patterns_match(cfg, model)
+            bar(done)
+
+        options = {"router_glob": inputs.family.router_glob, "num_experts": inputs.num_experts}
+        options.update(uncovered=a.uncovered_experts, progress=on_batch)
+        with bar:
+            result = self.step("calibrate", lambda: calibrate(model, cfg, batches, **options))
+        return result, tokens
+
+    def _export(self, result):
+        a = self.args
+
+        def write_extra(staging) -> None:
+            result.coverage.write_json(Path(staging) / "coverage.json")
+            result.coverage.write_png(Path(staging) / "coverage.png")
+
+        with ProgressBar("export", enabled=self._show_progress(), unit="unit") as bar:
+            options = {"overwrite": a.overwrite, "experts_per_file": a.experts_per_file}
+            return writer.export_checkpoint(
+                result.model, a.export_dir, source_dir=a.model, **options, write_extra=write_extra, progress=bar
+            )
+
+    def _summary(self, model, inputs: Inputs, export, tokens: int, coverage: str) -> PtqSummary:
+        read = sum(getattr(model, "modelopt_ext_bytes_read", {}).values())
+        mine = {"tokens": tokens, "peak_host_bytes": peak_host_bytes(), "peak_device_bytes": peak_device_bytes()}
+        rows: list[Any] = [{**mine, "bytes_read": read}]
+        if self.distributed:
+            rows = [None] * self.world_size
+            dist.all_gather_object(rows, {**mine, "bytes_read": read})
+        written = list(export.bytes_written) + [0] * (self.world_size - len(export.bytes_written))
+        return PtqSummary(
+            **{key: [row[key] for row in rows] for key in rows[0]},
+            export_dir=str(export.export_dir),
+            recipe=recipe_name(inputs.recipe.path),
+            world_size=self.world_size,
+            ep_size=self.ep_size,
+            seconds=self.seconds,
+            bytes_written=written,
+            coverage=coverage,
+            rank=self.rank,
+        )
+
+    def _show_progress(self) -> bool:
+        return self.rank == 0 and not self.args.no_progress
