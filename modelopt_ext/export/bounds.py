@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from modelopt_ext.export.quant_layout import FP8_ALGOS, FP8_PB_BLOCK, fp8_pb_grid
 from modelopt_ext.export.tensors import _Tensors
 from modelopt_ext.formats.mxfp4 import E2M1_VALUES, unpack_e2m1
 
@@ -19,16 +20,21 @@ def _dequantize(key: str, algo: str, group_size: int, exp: _Tensors, w: torch.Te
     """(dequantized float32 weight cropped to ``w``'s shape, per-element scale), or None after a problem."""
     module = key[: -len(".weight")]
     q = exp.get(key)
-    if algo == "FP8":
+    if algo in FP8_ALGOS:
         if tuple(q.shape) != tuple(w.shape):
             problems.append(f"{key} has shape {list(q.shape)}, source {list(w.shape)}")
             return None
         scale = exp.get(f"{module}.weight_scale").float()
-        return q.float() * scale, scale.expand(w.shape)
+        if algo == "FP8":
+            return q.float() * scale, scale.expand(w.shape)
+        rows, cols = w.shape
+        scale = scale.reshape(fp8_pb_grid(w.shape))  # row-major blocks, checked by the layout check
+        scale = scale.repeat_interleave(FP8_PB_BLOCK, dim=0)[:rows].repeat_interleave(FP8_PB_BLOCK, dim=1)[:, :cols]
+        return q.float() * scale, scale
     blocks = -(-w.shape[-1] // group_size)
     if tuple(q.shape) != (*w.shape[:-1], blocks * group_size // 2):
         problems.append(
-            f"{key} has shape {list(q.shape)}, expected {[*w.shape[:-1], blocks * group_size // 2]} for the NVFP4 "
+            f"{key} has shape {list(q.shape)}, expected {[*w.shape[:-1], blocks * group_size // 2]} for the {algo} "
             f"packing of the source shape {list(w.shape)}"
         )
         return None
@@ -48,7 +54,7 @@ def _check_bound(
         return
     deq, scale = out
     w_abs = w.abs()
-    if algo == "FP8":
+    if algo in FP8_ALGOS:
         bound = (FP8_REL_ROUNDING + EXPORT_ROUNDING) * w_abs + FP8_SUBNORMAL_HALF_STEP * scale
     else:
         x = w_abs / scale

@@ -1,28 +1,40 @@
 """Verify a quantized checkpoint in ModelOpt's unified Hugging Face format.
 
-The format, as ``modelopt.torch.export.export_hf_checkpoint`` (nvidia-modelopt 0.47) writes it:
+The format, as ``modelopt.torch.export.export_hf_checkpoint`` (nvidia-modelopt 0.47) and the per-rank
+exporter (`modelopt_ext.export.writer`) write it:
 
 * safetensors shards with ``model.safetensors.index.json`` (``weight_map``: tensor -> shard file;
   ``metadata.total_size``: the sum of the tensors' data bytes), or one file without an index;
-* ``hf_quant_config.json``: ``quantization.quant_algo`` (``FP8``, ``NVFP4``, or ``MIXED_PRECISION`` with
-  per-module ``quantized_layers``), ``group_size``, ``exclude_modules`` (exact names and prefix
-  wildcards such as ``vision_tower*``), ``kv_cache_quant_algo``; the same again in compressed-tensors
-  style as ``config.json``'s ``quantization_config`` (``quant_algo``, ``ignore``, ``config_groups``,
-  ``quant_method: modelopt``);
+* ``hf_quant_config.json``: ``quantization.quant_algo`` (one format of ``SUPPORTED_ALGOS`` for every
+  quantized module, or ``MIXED_PRECISION``), ``group_size``, ``exclude_modules`` (exact names and prefix
+  wildcards such as ``vision_tower*``), ``kv_cache_quant_algo``; under ``MIXED_PRECISION``,
+  ``quantized_layers`` maps a module to its ``{quant_algo, group_size}``, and an entry applies to the
+  module and to every module below it that is not listed itself (an entry for fused experts
+  ``...block_sparse_moe.experts`` covers the per-expert linears ``...experts.{e}.w1``); the same again
+  in compressed-tensors style as ``config.json``'s ``quantization_config`` (``quant_algo``, ``ignore``,
+  ``config_groups``, ``quantized_layers``, ``quant_method: modelopt``);
 * for every quantized linear ``M`` (``M.input_scale`` F32 ``[]`` is absent when the input was never
-  calibrated):
+  calibrated, and always for the weight-only ``fp8_pb_wo`` and ``W4A16_NVFP4``):
 
-  - FP8: ``M.weight`` F8_E4M3 ``[..., I]``, ``M.weight_scale`` F32 ``[]``, no ``M.weight_scale_2``;
-  - NVFP4: ``M.weight`` U8 ``[..., I/2]``, ``M.weight_scale`` F8_E4M3 ``[..., B]``, ``M.weight_scale_2``
-    F32 ``[]``.
+  - ``FP8``: ``M.weight`` F8_E4M3 ``[..., I]``, ``M.weight_scale`` F32 ``[]``, no ``M.weight_scale_2``;
+  - ``fp8_pb_wo`` (FP8 weight-only, 2-D blocks of ``FP8_PB_BLOCK`` = 128 rows x 128 columns; neither
+    config records the block size): ``M.weight`` F8_E4M3 ``[O, I]``, ``M.weight_scale`` F32 with one
+    value per started block, ``ceil(O/128) x ceil(I/128)`` in row-major order, in the shape of
+    ModelOpt's calibration amax: ``[ceil(O/128), 1, ceil(I/128), 1]``, or ``[]`` for a single block
+    (``[ceil(O/128), ceil(I/128)]`` is accepted too); no ``M.weight_scale_2``;
+  - ``NVFP4`` and ``W4A16_NVFP4``: ``M.weight`` U8 ``[..., I/2]``, ``M.weight_scale`` F8_E4M3
+    ``[..., B]``, ``M.weight_scale_2`` F32 ``[]``.
 
-  FP8 dequantizes as ``weight * weight_scale``. NVFP4 packs two E2M1 codes per byte, element ``2j`` in
-  the LOW nibble and ``2j+1`` in the high one (the same order as MXFP4 in ``modelopt_ext.formats.mxfp4``),
-  and dequantizes as ``E2M1[code] * weight_scale[block] * weight_scale_2``;
-* every other tensor keeps its source name, dtype and bytes, except for the renames in ``RENAMES``.
+  FP8 dequantizes as ``weight * weight_scale`` (the block's scale for ``fp8_pb_wo``). NVFP4 packs two
+  E2M1 codes per byte, element ``2j`` in the LOW nibble and ``2j+1`` in the high one (the same order as
+  MXFP4 in ``modelopt_ext.formats.mxfp4``), and dequantizes as
+  ``E2M1[code] * weight_scale[block] * weight_scale_2``;
+* every other tensor keeps its source name, dtype and bytes, except for the renames in ``RENAMES``
+  (ModelOpt's own exporter names experts ``gate/up/down_proj``; the per-rank exporter keeps ``w1/w3/w2``).
 
-Shape legend: ``...`` leading dims (output features, experts), ``I`` input features, ``B`` NVFP4 blocks
-``ceil(I / group_size)`` (the packed weight holds ``B * group_size`` codes; padding, if any, is cropped).
+Shape legend: ``...`` leading dims (output features, experts), ``O`` output and ``I`` input features,
+``B`` NVFP4 blocks ``ceil(I / group_size)`` (the packed weight holds ``B * group_size`` codes; padding,
+if any, is cropped).
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from modelopt_ext.export.manifest import (
     file_digests,
 )
 from modelopt_ext.export.quant_layout import (
+    FP8_PB_BLOCK,
     HF_QUANT_CONFIG_NAME,
     KV_SCALES,
     NVFP4_DEFAULT_GROUP_SIZE,
@@ -69,7 +82,7 @@ from modelopt_ext.export.tensors import _Entry, _Tensors, _Unreadable
 from modelopt_ext.formats.mxfp4 import E2M1_VALUES, dequantize_mxfp4, unpack_e2m1
 
 __all__ = [
-    "E2M1_HALF_STEPS", "E2M1_STEP_EDGES", "E2M1_VALUES", "EXPORT_ROUNDING", "FP8_REL_ROUNDING",
+    "E2M1_HALF_STEPS", "E2M1_STEP_EDGES", "E2M1_VALUES", "EXPORT_ROUNDING", "FP8_PB_BLOCK", "FP8_REL_ROUNDING",
     "FP8_SUBNORMAL_HALF_STEP", "HF_QUANT_CONFIG_NAME", "INDEX_NAME", "KV_SCALES", "MANIFEST_NAME",
     "NVFP4_DEFAULT_GROUP_SIZE", "RENAMES", "SUPPORTED_ALGOS", "WEIGHT_COMPANIONS", "ExportInvalid",
     "VerifyReport", "dequantize_mxfp4", "file_digests", "source_name", "unpack_e2m1", "verify_export",
@@ -191,6 +204,29 @@ def _bytes_differ(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a8 != b8).any(dim=1).sum())
 
 
+def _compare_one(
+    key: str, keys: tuple[str, ...], quantized: Mapping[str, tuple[str, int, bool]], exp: _Tensors, src: _Tensors,
+    tolerance: float, stats: dict[str, list[float]], problems: list[str],
+) -> None:
+    if key in quantized:
+        algo, group_size, well_formed = quantized[key]
+        if well_formed:  # malformed ones were reported by the layout check
+            _check_bound(key, algo, group_size, exp, _load_source(keys, src, torch.float32), tolerance, stats, problems)
+        return
+    t = exp.get(key)
+    if len(keys) == 2 and not t.is_floating_point():
+        problems.append(
+            f"{key} is {t.dtype} {list(t.shape)} without scales, but its source {keys[0]} is MXFP4: "
+            "an unquantized export of it must be a float tensor"
+        )
+        return
+    w = _load_source(keys, src, t.dtype)
+    if t.dtype != w.dtype or tuple(t.shape) != tuple(w.shape):
+        problems.append(f"{key} is {t.dtype} {list(t.shape)}, source {keys[0]} is {w.dtype} {list(w.shape)}")
+    elif n := _bytes_differ(t, w):
+        problems.append(f"{key} is not bit-exact to source {keys[0]}: {n} of {t.numel()} elements differ")
+
+
 def _compare_with_source(
     entries: dict[str, _Entry], quantized: Mapping[str, tuple[str, int, bool]], exp: _Tensors, src: _Tensors,
     tolerance: float, stats: dict[str, list[float]], problems: list[str],
@@ -204,24 +240,15 @@ def _compare_with_source(
             problems.append(f"export tensor {key} has no source tensor {source_name(key)} (plain or MXFP4)")
             continue
         covered.update(keys)
+        if key not in quantized and f"{key}_scale" in entries:
+            continue  # quantized tensors the config does not cover: reported by the layout check
         try:
-            if key in quantized:
-                algo, group_size, well_formed = quantized[key]
-                if well_formed:  # malformed ones were reported by the layout check
-                    w = _load_source(keys, src, torch.float32)
-                    _check_bound(key, algo, group_size, exp, w, tolerance, stats, problems)
-                continue
-            t = exp.get(key)
-            w = _load_source(keys, src, t.dtype)
+            _compare_one(key, keys, quantized, exp, src, tolerance, stats, problems)
         except _Unreadable as e:
             problems.append(str(e))
-            continue
-        if t.dtype != w.dtype or tuple(t.shape) != tuple(w.shape):
-            problems.append(f"{key} is {t.dtype} {list(t.shape)}, source {keys[0]} is {w.dtype} {list(w.shape)}")
-        elif n := _bytes_differ(t, w):
-            problems.append(f"{key} is not bit-exact to source {keys[0]}: {n} of {t.numel()} elements differ")
+        except Exception as e:  # one malformed tensor must not stop the comparison of the others
+            problems.append(f"{key}: cannot compare with source {', '.join(keys)} ({type(e).__name__}: {e})")
     problems.extend(f"source tensor {key} is missing from the export" for key in sorted(set(src.files) - covered))
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,22 +267,28 @@ def verify_export(
     tensor is in the index, every shard is referenced, ``total_size`` matches; a single file needs no
     index); (2) every tensor is named once (within a header and across shards); (3) dtypes and shapes
     follow the quantization config (see the module docstring): quantized weights carry their scales,
-    modules in ``exclude_modules`` carry none, no scale lacks its weight, no 2-D float weight of a module
-    the config quantizes is left unquantized, scales are finite and positive, FP8 weights hold no NaN;
-    (4) with ``source_dir``: every export tensor has its source tensor (``RENAMES``; MXFP4 sources are
-    dequantized first) and every source tensor is exported; unquantized tensors are bit-exact (dtype and
-    bytes); quantized weights dequantize within the format's bound, times ``tolerance_factor``:
+    modules in ``exclude_modules`` carry none, modules with scales have a format (under
+    ``MIXED_PRECISION``: they or an ancestor are in ``quantized_layers``), no scale lacks its weight, no
+    2-D float weight of a module the config quantizes is left unquantized, scales are finite and
+    positive, FP8 weights hold no NaN; (4) with ``source_dir``: every export tensor has its source tensor
+    (``RENAMES``; MXFP4 sources are dequantized first) and every source tensor is exported; unquantized
+    tensors are bit-exact (dtype and bytes); quantized weights dequantize within the format's bound, times
+    ``tolerance_factor``:
 
-    * FP8: ModelOpt stores ``fp8(w / s)``, ``s = amax / 448``, dividing in the export dtype (bf16) and
-      rounding to nearest E4M3 (3 mantissa bits). Normals (``|w/s| >= 2**-6``) round within ``2**-4``
-      relative; subnormals within half their step, ``2**-10`` in units of ``s``. The source's rounding to
-      bf16 and the bf16 division add ``2**-9`` each. Bound: ``(2**-4 + 2**-8)*|w| + 2**-10*s``.
-    * NVFP4: per block, ``s_b = weight_scale[b] * weight_scale_2`` (the stored values) and ``x = w / s_b``
-      rounds to the nearest E2M1 value ``{0, .5, 1, 1.5, 2, 3, 4, 6}``; half the step is ``h(x) = 1/4``
-      below 2, ``1/2`` in [2, 4), 1 from 4 up. ModelOpt rounds ``amax_b / (6 * weight_scale_2)`` to E4M3
-      (<= ``2**-4`` relative), so ``|x| <= 6 / (1 - 2**-4) = 6.4`` and saturation at 6 stays below ``h = 1``.
-      Bound: ``h(|w|/s_b)*s_b + 2**-8*|w|`` (the last term for the bf16 rounding of the source and fp32
-      arithmetic).
+    * FP8 and fp8_pb_wo: ModelOpt stores ``fp8(w / s)``, ``s = amax / 448`` (of the tensor, or of the
+      128 x 128 block), dividing in the export dtype (bf16; fp32 for blocks) and rounding to nearest E4M3
+      (3 mantissa bits). Normals (``|w/s| >= 2**-6``) round within ``2**-4`` relative; subnormals within
+      half their step, ``2**-10`` in units of ``s``. The source's rounding to bf16 and the bf16 division
+      add ``2**-9`` each. Bound: ``(2**-4 + 2**-8)*|w| + 2**-10*s``, ``s`` the element's own scale.
+    * NVFP4 and W4A16_NVFP4: per block, ``s_b = weight_scale[b] * weight_scale_2`` (the stored values) and
+      ``x = w / s_b`` rounds to the nearest E2M1 value ``{0, .5, 1, 1.5, 2, 3, 4, 6}``; half the step is
+      ``h(x) = 1/4`` below 2, ``1/2`` in [2, 4), 1 from 4 up. ModelOpt rounds ``amax_b / (6 * weight_scale_2)``
+      to E4M3 (<= ``2**-4`` relative), so ``|x| <= 6 / (1 - 2**-4) = 6.4`` and saturation at 6 stays below
+      ``h = 1``. Bound: ``h(|w|/s_b)*s_b + 2**-8*|w|`` (the last term for the bf16 rounding of the source
+      and fp32 arithmetic).
+
+    A tensor that cannot be read or compared (wrong dtype, shape, a malformed source) is a problem naming
+    it; the other checks go on.
 
     (5) ``MANIFEST.sha256`` (``sha256  path`` per file, sorted): when it exists and ``write_manifest`` is
     false, every file must match it, none may be missing or unlisted. With ``write_manifest`` the old
