@@ -2,6 +2,10 @@
 
 Every collective here is bounded by the process group's timeout (set at initialisation), so a rank that
 died or stalls makes the others fail after at most that long instead of hanging.
+
+Each rank also records where it is and whether it failed in the process group's key-value store
+(`modelopt_ext.faults`), so that when a collective fails because a rank died, failed elsewhere or stalls,
+the survivors' message names that rank and what it was doing, not only that a connection closed.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from modelopt_ext.faults import mark, positions, record_failure
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,16 +45,32 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _is_comm_error(e: BaseException) -> bool:
+    """A failure of the process group itself (a peer died, closed or timed out), not of the step's code."""
+    return isinstance(e, (dist.DistError, TimeoutError)) or any(
+        s in str(e) for s in ("Connection closed by peer", "Connection reset", "Timed out", "timed out"))
+
+
 def all_or_fail(step: str, fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if any rank raises, every rank raises RankFailure naming the failed ranks,
-    the step and their errors (the failing rank chains its own exception)."""
+    the step and their errors (the failing rank chains its own exception). If a rank died or stalls, the
+    survivors raise RankFailure with every rank's last position (see the module doc) within the group's
+    timeout."""
+    mark(step)
     result, error, exc = None, None, None
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
         error, exc = f"{type(e).__name__}: {e}", e
+        if _is_comm_error(e):  # a consequence of another rank's fault, not a failure of this rank's step
+            raise RankFailure(f"lost contact with other ranks during {step} ({error}); positions: {positions()}") from e
+        record_failure(step, error)
     errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    try:
+        dist.all_gather_object(errors, error)
+    except Exception as e:  # noqa: BLE001
+        raise RankFailure(f"lost contact with other ranks after {step} ({type(e).__name__}: {e}); "
+                          f"positions: {positions()}") from (exc or e)
     failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed:
         first = min(failed)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import modelopt_ext
 from modelopt_ext.dist import RankFailure, agree, all_or_fail, init_distributed
 from modelopt_ext.export import writer
+from modelopt_ext.faults import FailureWatch
 from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
 from modelopt_ext.quant import recipes
 
@@ -136,6 +137,7 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     from modelopt_ext.checkpoint_files import check_checkpoint_files
     from modelopt_ext.export.files import check_experts_per_file
     from modelopt_ext.families import family_for_config
+    from modelopt_ext.lock import check_remote_code, load_lock
     from modelopt_ext.quant.data import load_texts
 
     check_sizes(args)
@@ -147,7 +149,17 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     family = family_for_config(config, source=str(Path(args.model) / "config.json"))
     if family.router_glob is None or family.sizes is None:
         raise ValueError(f"family {family.name!r} has no router glob or sizes: expert coverage cannot be recorded")
+    # the remote code runs at load: refuse code that differs from the family's lock now, naming the files
+    check_remote_code(Path(args.model), load_lock(family.remote_code_lock))
     num_experts = int(family.sizes(config)["num_experts"])
+    if ep_size is not None:
+        what = f"--ep {ep_size}" if args.ep is not None else f"EP degree {ep_size} (the world size; --ep not given)"
+        problems = [f"it does not divide the {n} {unit}" for n, unit in
+                    ((world_size, "ranks"), (num_experts, "routed experts of a layer")) if n % ep_size]
+        if ep_size < 2:
+            problems.insert(0, "expert parallelism needs an EP degree of at least 2")
+        if problems:
+            raise ValueError(f"{what} with {world_size} rank(s): " + "; ".join(problems))
     check_experts_per_file(num_experts, ep_size or 1, args.experts_per_file)
     if args.qformat is not None:
         source = recipes.recipe_for_qformat(args.qformat, family.name)
@@ -172,7 +184,8 @@ def run_ptq(args) -> PtqSummary:
     every rank. Joins the process group when WORLD_SIZE > 1 or `--ep` is given, and leaves it at the end."""
     run = _Run(args)
     try:
-        return run.main()
+        with run.watch:
+            return run.main()
     finally:
         if run.owns_group:
             dist.destroy_process_group()
@@ -184,6 +197,7 @@ class _Run:
         self.rank, self.world_size, self.ep_size = 0, 1, None
         self.distributed = self.owns_group = False
         self.seconds: dict[str, float] = {}
+        self.watch = contextlib.ExitStack()  # the FailureWatch, once in a process group
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -208,6 +222,7 @@ class _Run:
             check_sizes(a)
             self._join()
             if self.distributed:
+                self.watch.enter_context(FailureWatch(grace_s=min(15.0, float(a.timeout))))
                 agree("the ptq arguments", {k: v for k, v in sorted(vars(a).items()) if not callable(v)})
             inputs = self.step(
                 "validate", lambda: validate(a, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
+from modelopt_ext.faults import mark_exchange
+
 
 @dataclasses.dataclass(frozen=True)
 class DispatchMeta:
@@ -61,6 +63,7 @@ def dispatch(
         recv_x_RH [R, H] rows for this rank's experts, recv_ids_R [R] int64 local expert ids in [0, E),
         and the metadata `combine` needs.
     """
+    mark_exchange()
     W = dist.get_world_size(group)
     T, K = topk_ids_TK.shape
     ids_S = topk_ids_TK.reshape(-1)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from modelopt_ext.dist import mark
 
 from .coverage import Coverage, record_expert_coverage
-from .sync import calibration_algorithm, sync_amax
+from .sync import calibration_algorithm, check_finite_amax, naming_nonfinite_quantizer, sync_amax
 
 logger = logging.getLogger(__name__)
 POLICIES = ("weights", "all-experts", "fail")
@@ -137,9 +137,10 @@ def calibrate(
                     if progress is not None:
                         progress(i + 1)
 
-        with _integer_params_under_fsdp(model):
+        with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model):
             model = mtq.quantize(model, cfg, forward_loop)
     report = sync_amax(model) if dist.is_available() and dist.is_initialized() else None
+    check_finite_amax(model)  # one process too: sync_amax only sees what it reduces
     missing = coverage.uncovered()
     if missing:
         detail = "; ".join(f"{name}: {experts}" for name, experts in missing.items())
