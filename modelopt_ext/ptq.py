@@ -170,7 +170,9 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     else:
         raise ValueError(f"family {family.name!r} has no default recipe; give --recipe or --qformat")
     recipe = recipes.load(source, overrides=args.set or ())
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # trust_remote_code=False: the tokenizer is not remote code, and None makes transformers ask on the
+    # terminal (for up to 15 s) whether to run the checkpoint's configuration code
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     texts = load_texts(args.dataset, tokenizer)
     summary_dir = Path(args.summary_json).absolute().parent if args.summary_json else None
     if rank == 0 and summary_dir is not None and not (summary_dir.is_dir() and os.access(summary_dir, os.W_OK)):

@@ -12,7 +12,8 @@ original and runs ModelOpt's `load_recipe` on it, with ModelOpt's prints routed 
 On failure `_explain_failure` builds a ValueError naming the original file and the failing `quant_cfg`
 entry (found by loading the entries one by one); `_pydantic_errors` formats validation errors.
 `_entry_sources` attributes every resolved `quant_cfg` entry to the file and entry it was written in
-(`EntrySource`), following `$import`s into unit files.
+(`EntrySource`), following `$import`s into unit files. `_check_bits` then refuses a `num_bits` /
+`scale_bits` string that names no ExMy format on an entry without a custom backend (ModelOpt accepts it).
 """
 
 from __future__ import annotations
@@ -220,6 +221,28 @@ def _explain_failure(path: Path, err: ValueError, data: dict[str, Any], folder: 
         if bad:
             return ValueError(f"{path}: invalid entry " + "; invalid entry ".join(bad))
     return ValueError(f"{path}: invalid recipe: " + "; ".join(details))
+
+
+def _check_bits(entries: list[dict[str, Any]], sources: list[EntrySource]) -> None:
+    """Refuse a string `num_bits` / `block_sizes.scale_bits` other than ExMy (which ModelOpt turns into a
+    tuple) on a quantizer without a custom `backend`: ModelOpt's schema takes any string there (for custom
+    backends) and the mistake would only surface in `mtq.quantize`, after the model is loaded."""
+    for entry, source in zip(entries, sources):
+        cfgs = entry.get("cfg") or []
+        for k, cfg in enumerate(cfgs if isinstance(cfgs, list) else [cfgs]):
+            if not isinstance(cfg, dict) or cfg.get("backend") is not None:
+                continue
+            where = f"cfg[{k}]" if isinstance(cfgs, list) else "cfg"
+            values = [("num_bits", cfg.get("num_bits"))]
+            if isinstance(cfg.get("block_sizes"), dict):
+                values.append(("block_sizes.scale_bits", cfg["block_sizes"].get("scale_bits")))
+            for key, value in values:
+                if isinstance(value, str):
+                    raise ValueError(
+                        f"{source}: quantizer_name {entry.get('quantizer_name')!r}: {where}.{key} is the string "
+                        f"{value!r}; expected an int (e.g. 8) or ExMy (e.g. e4m3); other strings are for a custom "
+                        "backend, and this entry sets none"
+                    )
 
 
 def _entry_sources(path: Path, data: dict[str, Any], count: int) -> list[EntrySource]:

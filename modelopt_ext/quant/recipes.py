@@ -72,6 +72,7 @@ from modelopt_ext.quant.patterns import quantizers as quantizers
 from modelopt_ext.quant.recipe_io import (
     _SUFFIXES,
     EntrySource,
+    _check_bits,
     _entry_sources,
     _explain_failure,
     _load_modelopt,
@@ -230,6 +231,7 @@ def load(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> Reci
             raise _explain_failure(path, err, data, folder) from err
     loaded = recipe.model_dump()
     sources = _entry_sources(path, data, len(loaded["quantize"]["quant_cfg"]))
+    _check_bits(loaded["quantize"]["quant_cfg"], sources)
     overrides = list(overrides)
     if overrides:
         loaded = apply_overrides(loaded, overrides, path)

@@ -10,12 +10,18 @@ out of step. Here calibration runs with ModelOpt's sync off, then `sync_amax` do
 - per-expert weight quantizers of expert-parallel modules belong to one rank's experts and are not mixed
   with other ranks' (they are only reduced inside an expert group, ranks holding the same experts);
 - a quantizer calibrated nowhere stays None and is reported; a non-finite amax is refused, naming it.
+
+Non-finite statistics, with or without torch.distributed: ModelOpt's max calibrator asserts on a NaN/inf
+amax as it collects, without naming the quantizer; `naming_nonfinite_quantizer` turns that assertion into a
+ValueError naming it. `check_finite_amax` refuses NaN or inf amax after calibration (one process, or a
+rank's local experts, which `sync_amax` does not reduce when every rank holds its own experts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -78,6 +84,66 @@ def _reduce(quantizers: list[tuple[str, TensorQuantizer]], group, device: torch.
             dtype = q.amax.dtype if q.amax is not None else torch.float32
             q.amax = value.to(dtype)
     return [name for (name, _), shape in zip(quantizers, shapes) if shape is None]
+
+
+MAX_LISTED_QUANTIZERS = 20
+_NONFINITE_ASSERTIONS = ("detected nan values in amax", "detected inf values in amax")
+
+
+@contextlib.contextmanager
+def naming_nonfinite_quantizer(model: torch.nn.Module) -> Iterator[None]:
+    """Around `mtq.quantize`: ModelOpt's calibrators assert when a quantizer's input gives a NaN or inf
+    amax, without saying which quantizer; re-raise that as a ValueError naming it (found in the traceback,
+    so calibration pays nothing for it)."""
+    try:
+        yield
+    except AssertionError as e:
+        if not str(e).startswith(_NONFINITE_ASSERTIONS):
+            raise
+        quantizer, tb = None, e.__traceback__
+        while tb is not None:  # the innermost TensorQuantizer frame is the one that was collecting
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, TensorQuantizer):
+                quantizer = owner
+            tb = tb.tb_next
+        names = {id(m): n for n, m in model.named_modules()}
+        name = names.get(id(quantizer), "an unnamed quantizer") if quantizer is not None else "a quantizer"
+        kind = "NaN" if "nan" in str(e) else "inf"
+        raise ValueError(
+            f"calibration statistics are not finite: {name} saw {kind} in its input during calibration "
+            f"(ModelOpt: {e}), so the model is not exported; the calibration data or the layers feeding this "
+            "module produce NaN or inf"
+        ) from e
+
+
+def check_finite_amax(model: torch.nn.Module) -> None:
+    """Raise ValueError naming every quantizer (by module name) whose amax holds NaN or inf.
+
+    Calibration statistics that are not finite would give NaN or zero scales in the export; this runs after
+    calibration, in one process as under torch.distributed, before anything is exported.
+    """
+    bad = []
+    for name, module in model.named_modules():
+        if not isinstance(module, TensorQuantizer):
+            continue
+        amax = getattr(module, "_amax", None)  # the buffer itself: the amax property asserts on dynamic ones
+        if not isinstance(amax, torch.Tensor):
+            continue
+        values = amax.detach().float().flatten()
+        finite = torch.isfinite(values)
+        if bool(finite.all()):
+            continue
+        kinds = [k for k, n in (("NaN", torch.isnan(values)), ("inf", torch.isinf(values))) if bool(n.any())]
+        bad.append(f"{name} ({int((~finite).sum())} of {values.numel()} amax values {' and '.join(kinds)})")
+    if bad:
+        listed = bad[:MAX_LISTED_QUANTIZERS]
+        if len(bad) > len(listed):
+            listed.append(f"... and {len(bad) - len(listed)} more")
+        raise ValueError(
+            f"calibration statistics are not finite (NaN or inf amax) in {len(bad)} quantizer(s), so the model "
+            "is not exported; the calibration inputs or the weights of these modules hold NaN or inf: "
+            + "; ".join(listed)
+        )
 
 
 def sync_amax(model: torch.nn.Module, expert_group=None) -> dict[str, Any]:

@@ -1,0 +1,302 @@
+"""Bad inputs to `modelopt-ext ptq`, each through the real CLI: the error names the file or value and what was
+expected, and comes before the heavy work (validation refuses before `from_pretrained` is called; a
+recipe pattern that matches nothing fails at the first calibration batch; non-finite calibration
+statistics fail before anything is exported). docs/reliability.md lists them with their messages.
+
+Ranks started with different arguments: tests/test_ptq.py::test_ranks_fail_together_on_differing_arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import modelopt_ext
+import modelopt_ext.loading
+from modelopt_ext.cli import main
+from modelopt_ext.families import families
+from modelopt_ext.lock import sha256_file
+from modelopt_ext.quant import recipes
+from modelopt_ext.testing.checkpoints import copy_checkpoint
+
+FAST = "--experts-implementation batched_mm --dtype float32 --calib-size 8 --batch-size 2 --seq-len 16".split()
+ONE_BATCH = "--experts-implementation batched_mm --dtype float32 --calib-size 2 --batch-size 2 --seq-len 16".split()
+PREFIX = "modelopt-ext ptq: error: "
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt, tmp_path_factory):
+    """An unmodified copy, for the tests whose bad input is not the checkpoint (never loaded)."""
+    return copy_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("bad_input"), "bad_input_ok")
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Calls of from_pretrained (made to fail): these inputs must be refused before any."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("from_pretrained called before validation finished")
+
+    monkeypatch.setattr(modelopt_ext, "from_pretrained", refuse)
+    monkeypatch.setattr(modelopt_ext.loading, "from_pretrained", refuse)
+    return calls
+
+
+def _ptq(capsys, model: Path, out: Path, *extra: str) -> tuple[int, str]:
+    """(exit status, the error line) of an in-process `modelopt-ext ptq` run."""
+    capsys.readouterr()
+    rc = main(["ptq", "--model", str(model), "--export-dir", str(out), "--no-progress", *FAST, *extra])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PREFIX)]
+    return rc, errors[-1] if errors else ""
+
+
+def _refused_in_validate(capsys, loads, model: Path, out: Path, *extra: str) -> str:
+    rc, err = _ptq(capsys, model, out, *extra)
+    assert rc == 1 and err.startswith(f"{PREFIX}validate: "), err
+    assert loads == [] and not out.exists()
+    return err
+
+
+# ---------------------------------------------------------------------------------------- checkpoint files
+
+
+def test_missing_config_json(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "no_config")
+    (model / "config.json").unlink()
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert f"{model / 'config.json'} is missing: not a transformers checkpoint folder" in err
+
+
+def test_garbled_config_json(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "garbled_config")
+    (model / "config.json").write_text('{"model_type": "kimi_k3",\n  garbled')
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert f"{model / 'config.json'} is not valid JSON: Expecting property name" in err and "line 2 column 3" in err
+
+
+def test_missing_shard(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "missing_shard")
+    (model / "model-00002-of-00003.safetensors").unlink()
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert f"checkpoint {model} has " in err
+    assert "is mapped to shard model-00002-of-00003.safetensors, which does not exist" in err
+
+
+def test_truncated_shard(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "truncated_shard")
+    shard = model / "model-00003-of-00003.safetensors"
+    size = shard.stat().st_size
+    os.truncate(shard, size - 1000)
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert f"checkpoint {model}" in err and "model-00003-of-00003.safetensors: tensor " in err
+    assert f"inside the {size - 1000 - 8 - _header_len(shard)}-byte data section" in err
+
+
+def _header_len(shard: Path) -> int:
+    with shard.open("rb") as f:
+        return int.from_bytes(f.read(8), "little")
+
+
+def test_index_names_a_tensor_absent_from_its_shard(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "ghost_tensor")
+    index_file = model / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    ghost = "language_model.model.layers.0.mlp.ghost_proj.weight"
+    index["weight_map"][ghost] = "model-00001-of-00003.safetensors"
+    index_file.write_text(json.dumps(index, indent=2))
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert err == (f"{PREFIX}validate: checkpoint {model}: tensor {ghost} is listed in model.safetensors.index.json "
+                   "(shard model-00001-of-00003.safetensors) but missing from every shard")
+
+
+def test_modified_remote_code(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "edited_remote_code")
+    code = model / "modeling_kimi_linear.py"
+    code.write_text(code.read_text() + "\nimport os  # an edit nobody reviewed\n")
+    lock_file = families()["kimi_k3"].remote_code_lock
+    expected = json.loads(Path(lock_file).read_text())["files"]["modeling_kimi_linear.py"]
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert f"remote code in {model} does not match the lock {lock_file}" in err
+    assert f"modeling_kimi_linear.py has sha256 {sha256_file(code)}, the lock expects {expected}" in err
+    assert "configuration_kimi_k3.py" not in err and "modeling_kimi_k3.py" not in err  # unchanged files
+
+
+# --------------------------------------------------------------------------------------------------- recipe
+
+
+def _recipe(tmp_path: Path, name: str, mutate) -> Path:
+    """A copy of the shipped kimi_k3/fp8_all recipe, changed by `mutate`, written to tmp_path/name."""
+    data = yaml.safe_load((recipes.RECIPES_DIR / "kimi_k3" / "fp8_all.yaml").read_text())
+    mutate(data["quantize"]["quant_cfg"])
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_recipe_unknown_key(ckpt, tmp_path, loads, capsys):
+    path = _recipe(tmp_path, "typo.yaml", lambda cfg: cfg[1].update(enabel=True))
+    err = _refused_in_validate(capsys, loads, ckpt, tmp_path / "out", "--recipe", str(path))
+    assert err == (f"{PREFIX}validate: {path}: quantize.quant_cfg[1] (quantizer_name '*weight_quantizer'): unknown "
+                   "key(s) 'enabel' (an entry has quantizer_name, parent_class, cfg, enable, or is a lone $import)")
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    # ModelOpt's schema takes any string for num_bits (for custom backends); mtq.quantize would fail later
+    ("num_bits", "eight", "{path} quantize.quant_cfg[2]: quantizer_name '*input_quantizer': cfg.num_bits is the "
+                          "string 'eight'; expected an int (e.g. 8) or ExMy (e.g. e4m3)"),
+    ("axis", "rows", "{path}: invalid entry quantize.quant_cfg[2] ('*input_quantizer'): cfg.axis: "),
+])
+def test_recipe_wrong_type(ckpt, tmp_path, loads, capsys, key, value, expected):
+    path = _recipe(tmp_path, "wrong_type.yaml", lambda cfg: cfg[2]["cfg"].update({key: value}))
+    err = _refused_in_validate(capsys, loads, ckpt, tmp_path / "out", "--recipe", str(path))
+    assert err.startswith(f"{PREFIX}validate: " + expected.format(path=path)), err
+    assert repr(value) in err
+
+
+def test_recipe_pattern_that_matches_nothing(tiny_ckpt, tmp_path, capsys):
+    """Checked against the quantized model, so after the load and the first calibration batch."""
+    typo = {"quantizer_name": "*self_attn.o_prj.weight_quantizer", "enable": False}
+    path = _recipe(tmp_path, "no_match.yaml", lambda cfg: cfg.insert(3, typo))
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "pattern_no_match")
+    out = tmp_path / "out"
+    rc = main(["ptq", "--model", str(model), "--export-dir", str(out), "--no-progress", *ONE_BATCH,
+               "--recipe", str(path)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PREFIX)]
+    assert rc == 1 and errors, errors
+    assert errors[-1] == (f"{PREFIX}calibrate: quantizer patterns that match nothing: {path} quantize.quant_cfg[3]: "
+                          "quantizer_name '*self_attn.o_prj.weight_quantizer' matches no quantizer, module or "
+                          "parameter of KimiK3ForConditionalGeneration")
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------- export dir, dataset
+
+
+def test_non_empty_export_dir_without_overwrite(ckpt, tmp_path, loads, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "earlier.safetensors").write_bytes(b"keep me")
+    rc, err = _ptq(capsys, ckpt, out)
+    assert rc == 1 and loads == []
+    assert err == f"{PREFIX}validate: export dir {out} is not empty; pass --overwrite to replace it"
+    assert [p.name for p in out.iterdir()] == ["earlier.safetensors"]
+
+
+def test_empty_dataset(ckpt, tmp_path, loads, capsys):
+    data = tmp_path / "calib.jsonl"
+    data.write_text("")
+    err = _refused_in_validate(capsys, loads, ckpt, tmp_path / "out", "--dataset", str(data))
+    assert err == (f"{PREFIX}validate: calibration dataset {data} is empty (0 bytes), expected at least one text "
+                   "sample")
+
+
+def test_dataset_is_a_directory(ckpt, tmp_path, loads, capsys):
+    data = tmp_path / "calib"
+    data.mkdir()
+    err = _refused_in_validate(capsys, loads, ckpt, tmp_path / "out", "--dataset", str(data))
+    assert err == f"{PREFIX}validate: calibration dataset {data} is a directory, expected a JSONL or text file"
+
+
+def test_dataset_not_utf8(ckpt, tmp_path, loads, capsys):
+    data = tmp_path / "calib.txt"
+    data.write_bytes("first sample\nsecond caf\u00e9\n".encode("latin-1"))
+    err = _refused_in_validate(capsys, loads, ckpt, tmp_path / "out", "--dataset", str(data))
+    assert err.startswith(f"{PREFIX}validate: calibration dataset {data} is not UTF-8 text: byte 0xe9 at byte "
+                          "offset 23 (line 2)"), err
+
+
+# ------------------------------------------------------------------------------------------- EP degree
+
+
+def _torchrun(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "modelopt_ext", *argv]
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+
+
+def test_invalid_ep_degree(ckpt, tmp_path):
+    """--ep 3 on 2 ranks: 3 divides neither the ranks nor the 16 experts; refused on both ranks in validate."""
+    out = tmp_path / "out"
+    proc = _torchrun(tmp_path, "ptq", "--model", str(ckpt), "--export-dir", str(out), "--no-progress", *FAST,
+                     "--ep", "3", "--timeout", "60")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(PREFIX)]
+    # torchrun stops the other rank once one exits, so it may not get to print its error
+    assert proc.returncode != 0 and errors, proc.stderr[-3000:]
+    expected = ("validate: 2 rank(s) failed during validate; rank 0: ValueError: --ep 3 with 2 rank(s): it does not "
+                "divide the 2 ranks; it does not divide the 16 routed experts of a layer")
+    assert all(line.startswith(PREFIX + expected) for line in errors), errors
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------- non-finite statistics
+
+
+TARGET = "language_model.model.layers.4.self_attn.o_proj"  # FP8 recipe: its input is quantized
+
+
+def _ptq_fp8_one_batch(model: Path, out: Path, capsys) -> tuple[int, str]:
+    argv = ["--model", str(model), "--export-dir", str(out), "--no-progress", *ONE_BATCH, "--recipe", "kimi_k3/fp8_all"]
+    rc = main(["ptq", *argv])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PREFIX)]
+    assert rc == 1 and errors, errors
+    return rc, errors[-1]
+
+
+def test_nan_in_calibration_statistics(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """NaN fed into one attention output projection during calibration: ModelOpt's calibrator asserts as it
+    collects that input's amax; ptq names the quantizer, and exports nothing."""
+    import modelopt_ext.quant.calibrate as calibrate_module
+
+    real = calibrate_module.calibrate
+
+    def calibrate_with_nan(model, *args, **kwargs):
+        def nan_inputs(module, inputs):
+            return (torch.full_like(inputs[0], float("nan")), *inputs[1:])
+
+        handle = model.get_submodule(TARGET).register_forward_pre_hook(nan_inputs)
+        try:
+            return real(model, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(calibrate_module, "calibrate", calibrate_with_nan)
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "nan_statistics")
+    out = tmp_path / "out"
+    _, err = _ptq_fp8_one_batch(model, out, capsys)
+    assert err.startswith(f"{PREFIX}calibrate: calibration statistics are not finite: {TARGET}.input_quantizer saw "
+                          "NaN in its input during calibration (ModelOpt: detected nan values in amax"), err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_nonfinite_amax_after_calibration(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """An amax that is not finite after calibration (past ModelOpt's own asserts, which `python -O` drops,
+    say): `check_finite_amax` refuses it in one process too, naming the quantizer; nothing is exported."""
+    import modelopt.torch.quantization as mtq
+
+    real = mtq.quantize
+
+    def quantize_then_spoil(model, config, forward_loop=None):
+        model = real(model, config, forward_loop)
+        model.get_submodule(f"{TARGET}.input_quantizer").amax = torch.tensor(float("inf"))
+        return model
+
+    monkeypatch.setattr(mtq, "quantize", quantize_then_spoil)
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "inf_statistics")
+    out = tmp_path / "out"
+    _, err = _ptq_fp8_one_batch(model, out, capsys)
+    assert err == (f"{PREFIX}calibrate: calibration statistics are not finite (NaN or inf amax) in 1 quantizer(s), "
+                   "so the model is not exported; the calibration inputs or the weights of these modules hold NaN "
+                   f"or inf: {TARGET}.input_quantizer (1 of 1 amax values inf)")
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
