@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The main job on GPUs: a mid-size stand-in (Kimi-K3 per-rank expert shapes: latent 3072, expert width
+# 3584, 14 experts per rank at EP2) calibrated and exported at EP1 (one GPU) and EP2 (two GPUs, NCCL);
+# summaries, verify output and the byte comparison of the two exports go to $OUT (default ./gpu_out).
+# Wheels missing from the machine are installed from .whl/ when present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.
+fi
+export HF_HUB_OFFLINE=1 HF_MODULES_CACHE=/tmp/hf_modules
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+[ -f /tmp/mid/config.json ] || python3 -m modelopt_ext make-tiny kimi_k3 /tmp/mid --force --num-layers 4 --hidden-size 4096 --latent-size 3072 \
+  --moe-intermediate-size 3584 --num-experts 28 --top-k 8 --vocab-size 8192
+# The embedded calibration set is a few thousand tokens: repeat the stand-in's corpus (shuffled lines) so
+# every rank gets full 2048-token blocks.
+python3 - <<'PY'
+import random
+lines = [l for l in open("modelopt_ext/models/kimi_k3/standin/corpus.txt").read().splitlines() if l.strip()]
+rng = random.Random(0)
+with open("/tmp/calib.txt", "w") as f:
+    for _ in range(60):
+        rng.shuffle(lines)
+        f.write("\n".join(lines) + "\n\n")
+PY
+ARGS="--model /tmp/mid --dataset /tmp/calib.txt --calib-size ${CALIB_SIZE:-64} --batch-size 4 --seq-len 2048 --no-progress --overwrite"
+for n in 1 2; do
+  python3 -m torch.distributed.run --standalone --nproc-per-node $n -m modelopt_ext ptq $ARGS \
+    --export-dir /tmp/export_ep$n --summary-json "$OUT/summary_ep$n.json" > "$OUT/ptq_ep$n.txt" 2>&1 \
+    || { grep -v Warning "$OUT/ptq_ep$n.txt" | tail -40; exit 1; }
+  tail -8 "$OUT/ptq_ep$n.txt"
+done
+python3 -m modelopt_ext verify /tmp/export_ep2 --source /tmp/mid 2>&1 | tail -4 | tee "$OUT/verify_ep2.txt"
+(cd /tmp && for f in $(ls export_ep1); do cmp -s export_ep1/$f export_ep2/$f || echo "differs: $f"; done) \
+  | tee "$OUT/compare.txt" | head -20
