@@ -170,6 +170,9 @@ def _add_ptq(sub) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--experts-implementation", choices=["eager", "grouped_mm", "batched_mm"], default=None,
                    help="transformers experts implementation (default: transformers' choice)")
+    p.add_argument("--remote-code-lock", metavar="LOCK", default=None,
+                   help="lock of reviewed remote code that differs from the pinned revision (modelopt-ext "
+                   "lock-remote-code)")
     p.add_argument("--uncovered-experts", choices=["weights", "all-experts", "fail"], default="weights",
                    help="experts that see no calibration token (default: weights)")
     p.add_argument("--experts-per-file", type=int, default=None, metavar="N", help="experts per safetensors file")

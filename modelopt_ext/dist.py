@@ -87,5 +87,9 @@ def agree(what: str, value: Any) -> None:
     dist.all_gather_object(values, value)
     differing = [r for r, v in enumerate(values) if v != values[0]]
     if differing:
-        raise RankFailure(f"ranks disagree on {what}: rank 0 has {values[0]!r}, rank {differing[0]} has "
-                          f"{values[differing[0]]!r} (differing ranks: {differing})")
+        a, b = values[0], values[differing[0]]
+        if isinstance(a, dict) and isinstance(b, dict):  # name only the entries that differ
+            keys = sorted({k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}, key=str)
+            a, b = {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
+        raise RankFailure(f"ranks disagree on {what}: rank 0 has {a!r}, rank {differing[0]} has {b!r} "
+                          f"(differing ranks: {differing})")

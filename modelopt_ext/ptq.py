@@ -150,7 +150,8 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     if family.router_glob is None or family.sizes is None:
         raise ValueError(f"family {family.name!r} has no router glob or sizes: expert coverage cannot be recorded")
     # the remote code runs at load: refuse code that differs from the family's lock now, naming the files
-    check_remote_code(Path(args.model), load_lock(family.remote_code_lock))
+    lock = getattr(args, "remote_code_lock", None)
+    check_remote_code(Path(args.model), load_lock(Path(lock) if lock else family.remote_code_lock))
     num_experts = int(family.sizes(config)["num_experts"])
     if ep_size is not None:
         what = f"--ep {ep_size}" if args.ep is not None else f"EP degree {ep_size} (the world size; --ep not given)"
@@ -259,6 +260,8 @@ class _Run:
     def _load(self):
         a = self.args
         kwargs: dict[str, Any] = {"trust_remote_code": True, "dtype": getattr(torch, a.dtype)}
+        if getattr(a, "remote_code_lock", None):
+            kwargs["remote_code_lock"] = a.remote_code_lock
         if a.experts_implementation is not None:
             kwargs["experts_implementation"] = a.experts_implementation
         if self.ep_size is None:

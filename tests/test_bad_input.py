@@ -130,6 +130,19 @@ def test_modified_remote_code(tiny_ckpt, tmp_path, loads, capsys):
     assert "configuration_kimi_k3.py" not in err and "modeling_kimi_k3.py" not in err  # unchanged files
 
 
+def test_reviewed_remote_code_passes_with_its_lock(tiny_ckpt, tmp_path, loads, capsys):
+    """--remote-code-lock: edited code that someone reviewed and locked passes validation (and reaches load)."""
+    from modelopt_ext.lock import write_lock
+
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "reviewed_remote_code")
+    code = model / "modeling_kimi_linear.py"
+    code.write_text(code.read_text() + "\nimport os  # reviewed\n")
+    lock = tmp_path / "reviewed.lock.json"
+    write_lock(model, lock, "reviewed-local")
+    rc, err = _ptq(capsys, model, tmp_path / "out", "--remote-code-lock", str(lock))
+    assert rc == 1 and err.startswith(f"{PREFIX}load: ") and len(loads) == 1, err
+
+
 # --------------------------------------------------------------------------------------------------- recipe
 
 

@@ -304,4 +304,6 @@ def test_ranks_fail_together_on_differing_arguments(tiny_ckpt, tmp_path):
     # torchrun stops the other rank once one exits, so it may not get to print its error
     assert proc.returncode != 0 and errors, proc.stderr[-3000:]
     assert all("validate: ranks disagree on the ptq arguments" in line for line in errors)
+    # only the differing argument is named
+    assert all("rank 0 has {'seq_len': 16}, rank 1 has {'seq_len': 32}" in line for line in errors), errors
     assert not (tmp_path / "out").exists()
