@@ -341,5 +341,5 @@ def verify_export(
     if problems:
         logger.warning("export %s failed verification with %d problem(s)", export_dir, len(problems))
         raise ExportInvalid(report)
-    logger.info("%s", report.summary())
+    logger.debug("%s", report.summary())  # callers print or log the summary
     return report
