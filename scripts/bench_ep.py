@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from modelopt_ext.ep.dispatch import combine, dispatch
+from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts
 
 H, INTER, TOP_K, LOCAL_EXPERTS = 3584, 3072, 16, 14
@@ -120,10 +121,26 @@ def bench_experts(tokens: int, args) -> dict:
     x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, LOCAL_EXPERTS, (rows, 1), device="cuda")
     ones = torch.ones(rows, 1, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        t = timed(lambda: experts(x, ids, ones), args.warmup, args.reps)
     flops = 2 * rows * H * (2 * INTER) + 2 * rows * INTER * H
-    return {"rows": rows, "experts_ms": t, "experts_TFLOPs": flops / (t / 1e3) / 1e12}
+    out = {"rows": rows}
+    # side by side: the eager fp32 SiTU-GLU, then the compiled (fused) one the module uses on CUDA
+    for name, fused in (("eager_glu", False), ("", True)):
+        experts_module.FUSE_ON_CUDA = fused
+        with torch.no_grad():
+            t = timed(lambda: experts(x, ids, ones), args.warmup + (3 if fused else 0), args.reps)
+        suffix = f"_{name}" if name else ""
+        out.update({f"experts_ms{suffix}": t, f"experts_TFLOPs{suffix}": flops / (t / 1e3) / 1e12})
+    gate_up = torch.randn(rows, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out["glu_ms_eager"] = timed(lambda: experts_module._situ_glu_reference(*gate_up.chunk(2, -1), 4.0, 25.0),
+                                    args.warmup, args.reps)
+        out["glu_ms_fused"] = timed(lambda: experts_module.situ_glu(*gate_up.chunk(2, -1), 4.0, 25.0),
+                                    args.warmup, args.reps)
+        ref = experts_module._situ_glu_reference(*gate_up.chunk(2, -1), 4.0, 25.0).float()
+        fused_out = experts_module.situ_glu(*gate_up.chunk(2, -1), 4.0, 25.0).float()
+        out["glu_fused_max_abs_diff"] = float((ref - fused_out).abs().max())
+        out["glu_fused_max_rel_diff"] = float(((ref - fused_out).abs() / ref.abs().clamp_min(1e-2)).max())
+    return out
 
 
 def main() -> None:
@@ -158,6 +175,11 @@ def main() -> None:
             print(f"{r['tokens_per_rank']:>11} | {r['dispatch_combine_ms']:>19.2f} | {r['raw_all_to_all_ms']:>10.2f} |"
                   f" {r['raw_over_ours']:>8.2f} | {r['experts_ms']:>10.2f} | {r['experts_TFLOPs']:>15.0f} |"
                   f" {r['experts_over_matmul']:>7.2f}")
+        for r in results["runs"]:
+            print(f"{r['tokens_per_rank']} tokens: experts with eager fp32 SiTU-GLU {r['experts_ms_eager_glu']:.2f} ms "
+                  f"({r['experts_TFLOPs_eager_glu']:.0f} TFLOP/s) vs fused {r['experts_ms']:.2f} ms; SiTU-GLU alone "
+                  f"{r['glu_ms_eager']:.2f} -> {r['glu_ms_fused']:.2f} ms, "
+                  f"max |diff| {r['glu_fused_max_abs_diff']:.2e}")
         for r in results["runs"]:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in r["parts_ms"].items())
             print(f"{r['tokens_per_rank']} tokens: raw a2a {r['raw_GBps_each_way']:.0f} GB/s off-rank each way; "

@@ -26,11 +26,14 @@ with open("/tmp/calib.txt", "w") as f:
         f.write("\n".join(lines) + "\n\n")
 PY
 ARGS="--model /tmp/mid --dataset /tmp/calib.txt --calib-size ${CALIB_SIZE:-64} --batch-size 4 --seq-len 2048 --no-progress --overwrite"
-for n in 1 2; do
-  python3 -m torch.distributed.run --standalone --nproc-per-node $n -m modelopt_ext ptq $ARGS \
-    --export-dir /tmp/export_ep$n --summary-json "$OUT/summary_ep$n.json" > "$OUT/ptq_ep$n.txt" 2>&1 \
-    || { grep -v Warning "$OUT/ptq_ep$n.txt" | tail -40; exit 1; }
-  tail -8 "$OUT/ptq_ep$n.txt"
+# REPEAT rounds of (EP1, EP2), alternating, so both see the same machine state; summary_epN_R.json each.
+for r in $(seq 1 "${REPEAT:-1}"); do
+  for n in 1 2; do
+    python3 -m torch.distributed.run --standalone --nproc-per-node $n -m modelopt_ext ptq $ARGS \
+      --export-dir /tmp/export_ep$n --summary-json "$OUT/summary_ep${n}_$r.json" > "$OUT/ptq_ep$n.txt" 2>&1 \
+      || { grep -v Warning "$OUT/ptq_ep$n.txt" | tail -40; exit 1; }
+    tail -8 "$OUT/ptq_ep$n.txt"
+  done
 done
 python3 -m modelopt_ext verify /tmp/export_ep2 --source /tmp/mid 2>&1 | tail -4 | tee "$OUT/verify_ep2.txt"
 (cd /tmp && for f in $(ls export_ep1); do cmp -s export_ep1/$f export_ep2/$f || echo "differs: $f"; done) \
