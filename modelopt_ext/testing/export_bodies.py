@@ -11,15 +11,18 @@ from modelopt_ext.testing.ep_bodies import _force_routing
 CALIB_BATCHES = 4
 
 
-def calibration_batches(rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
-    """Rank `rank`'s share of a fixed set of batches (every rank the same batch shape)."""
+def calibration_batches(rank: int, world_size: int, count: int = CALIB_BATCHES) -> list[dict[str, torch.Tensor]]:
+    """Rank `rank`'s share of a fixed set of `count` batches (every rank the same batch shape)."""
+    if count % world_size:
+        raise ValueError(f"{count} batches do not split evenly over {world_size} ranks")
     batches = [torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + i))
-               for i in range(CALIB_BATCHES)]
+               for i in range(count)]
     return [{"input_ids": b} for b in batches[rank::world_size]]
 
 
 def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str | None = None,
-                         force_experts: list[int] | None = None, fail_on_rank: int | None = None):
+                         force_experts: list[int] | None = None, fail_on_rank: int | None = None,
+                         batches: int = CALIB_BATCHES):
     """Load (EP when `dense` is given), calibrate `recipe` (max) on this rank's batches, export to `out`."""
     from modelopt_ext.export.writer import export_checkpoint
     from modelopt_ext.families import families
@@ -33,7 +36,7 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
     model = modelopt_ext.from_pretrained(ckpt, **kwargs)
     if force_experts is not None:
         _force_routing(model, force_experts)
-    result = calibrate(model, quant_config(recipe, model.config), calibration_batches(rank, world_size),
+    result = calibrate(model, quant_config(recipe, model.config), calibration_batches(rank, world_size, batches),
                        router_glob=spec.router_glob, num_experts=16)
     if fail_on_rank is not None:
         _fail_during_export(result.model, fail_on_rank == rank)

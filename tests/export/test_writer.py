@@ -115,3 +115,13 @@ def test_check_export_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportDirError, match="not a directory"):
         check_export_dir(tmp_path / "file", overwrite=True)
+
+
+def test_ep8_fsdp_export_is_byte_identical(source, tmp_path):
+    """8 gloo ranks (2 experts each), FSDP-sharded dense layers, one batch per rank."""
+    ref, out = tmp_path / "single", tmp_path / "ep8"
+    calibrate_and_export(0, 1, str(source), str(ref), PRODUCTION, batches=8)
+    results = run_ranks(BODY, 8, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": "fsdp",
+                                  "batches": 8}, timeout_s=600)
+    _assert_identical(ref, out)
+    assert len(results[0].bytes_written) == 8 and all(b > 0 for b in results[0].bytes_written)
