@@ -41,6 +41,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 # zero rows do not move max calibration statistics.
 MIN_ROWS = 16
 
+# While ModelOpt max-calibrates (its quantizers only collect statistics), CUDA runs the experts as grouped
+# GEMMs with each projection's input quantizer shown all rows at once (`_grouped_statistics_forward`) instead
+# of ModelOpt's per-expert F.linear loop. "cuda" (default), "always" (tests on CPU), "never".
+GROUPED_STATISTICS = "cuda"
+
 
 def _pad_rows(x_ML: torch.Tensor) -> torch.Tensor:
     M = x_ML.shape[0]
@@ -89,6 +94,38 @@ class _FusedExpertsBase(nn.Module):
         """Weights readable as floating point of `dtype` for the duration of one forward."""
         yield
 
+    def _collecting_statistics(self) -> bool:
+        """True when ModelOpt converted this module and none of its quantizers quantizes: they only collect
+        statistics (max calibration), so the experts' inputs can be observed once per projection."""
+        inputs = [getattr(self, f"{p}_input_quantizer", None) for p in ("gate_up_proj", "down_proj")]
+        weights = [q for p in ("gate_up_proj", "down_proj") for q in getattr(self, f"{p}_weight_quantizers", ())]
+        if any(q is None for q in inputs) or not weights:
+            return False
+        return not any(getattr(q, "is_enabled", False) and getattr(q, "_if_quant", False) for q in (*inputs, *weights))
+
+    def _grouped_statistics_forward(self, hidden_states, top_k_index, top_k_weights):
+        """Calibration on GPUs: the rows of all experts sorted by expert, two grouped GEMMs, and each
+        projection's (shared) input quantizer shown all its rows at once. Gives the max statistics of the
+        eager path (the max over the same rows) without its per-expert loop and host syncs. Rows of the EP
+        sentinel (id E) are masked out of the statistics and the result."""
+        from transformers.integrations.moe import _grouped_linear
+
+        T, K = top_k_index.shape
+        E = self.num_experts
+        ids_S = top_k_index.reshape(-1)
+        order_S = torch.argsort(ids_S, stable=True)
+        valid_S1 = (ids_S[order_S] < E).unsqueeze(-1)
+        x_SL = hidden_states[order_S // K]
+        offs_E = torch.cumsum(torch.bincount(ids_S, minlength=E + 1)[:E], 0).to(torch.int32)
+        self.gate_up_proj_input_quantizer(torch.where(valid_S1, x_SL, 0))
+        h_SI = self._apply_gate(_grouped_linear(x_SL, self.gate_up_proj, offs_E))
+        h_SI = torch.where(valid_S1, h_SI, 0)
+        self.down_proj_input_quantizer(h_SI)
+        y_SL = torch.where(valid_S1, _grouped_linear(h_SI, self.down_proj, offs_E), 0)
+        slots_SL = torch.empty_like(y_SL)
+        slots_SL[order_S] = y_SL
+        return weighted_sum(slots_SL.view(T, K, -1), top_k_weights).to(hidden_states.dtype)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Eager reference: one `F.linear` pair per expert that received tokens (the path ModelOpt's fused-expert
         quantizers intercept, and so the one every calibration runs).
@@ -102,6 +139,9 @@ class _FusedExpertsBase(nn.Module):
             order, the same arithmetic as the expert-parallel combine (`ep.dispatch.weighted_sum`), so a token's
             result does not depend on which other tokens share its experts or on the EP degree.
         """
+        if (GROUPED_STATISTICS == "always" or (GROUPED_STATISTICS == "cuda" and hidden_states.is_cuda)) and (
+                self._collecting_statistics()):
+            return self._grouped_statistics_forward(hidden_states, top_k_index, top_k_weights)
         T, L = hidden_states.shape
         slots_TkL = hidden_states.new_zeros(T, top_k_index.shape[1], L)
         gate_up, down = self.gate_up_proj, self.down_proj
