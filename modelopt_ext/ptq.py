@@ -4,8 +4,10 @@
 
 Phases, each timed, run on every rank in step:
 
-- validate: what can be checked before loading: sizes, the checkpoint's config.json and family, the recipe
-  with its `--set` overrides, the tokenizer and the calibration data, the export folder (`check_export_dir`).
+- validate: what can be checked before loading: sizes, the checkpoint's files (config.json, index, shard
+  headers) and family, its remote code against the lock (`--remote-code-lock` for reviewed code), the EP
+  degree and experts per file, the recipe with its `--set` overrides, the tokenizer and the calibration
+  data, the export folder (`check_export_dir`).
   Under torchrun the ranks first check that they all got the same arguments (`dist.agree`).
 - load: `modelopt_ext.from_pretrained` with EP degree `--ep` (default: the world size under torchrun).
 - calibrate: the recipe's quant config with the family's exclusions, this rank's batches (cut to the same
