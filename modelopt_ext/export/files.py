@@ -106,4 +106,5 @@ def expert_key_renamer(experts_suffix: str, names: Mapping[str, str]):
         proj = names.get(m.group(3), m.group(3))
         return f"{m.group(1)}.{int(m.group(2)) + offset}.{proj}.{m.group(4)}"
 
+    rename.pattern = pattern  # type: ignore[attr-defined]
     return rename

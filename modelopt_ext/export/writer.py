@@ -86,10 +86,20 @@ def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | Non
     if not moe:
         raise ValueError(f"no decoder layer of the model has routed experts at {layers}.*.{suffix}")
     local = container[moe[0]].get_submodule(suffix).num_experts
+    unquantized = [i for i in moe if not _experts_quantized(container[i].get_submodule(suffix))]
+    if unquantized:
+        raise ValueError(
+            f"the routed experts of layers {unquantized} ({layers}.*.{suffix}) are not quantized by the recipe; the "
+            "per-rank exporter writes quantized experts only (keep them MXFP4 in the source checkpoint instead)")
     plan = getattr(model, "modelopt_ext_plan", None)
     ep_size = plan.ep_size if plan is not None else 1
     per_file = check_experts_per_file(local * ep_size, ep_size, experts_per_file)
     return ExportFiles(layers, len(container), moe, suffix, local * ep_size, per_file)
+
+
+def _experts_quantized(experts: nn.Module) -> bool:
+    quantizers = [q for p in ("gate_up_proj", "down_proj") for q in getattr(experts, f"{p}_weight_quantizers", ())]
+    return bool(quantizers) and all(getattr(q, "is_enabled", False) for q in quantizers)
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:
@@ -185,6 +195,8 @@ class _UnitExporter:
             return None, None
         for prefix, offset in offsets.items():
             if key.startswith(prefix + "."):
+                if not self.rename.pattern.match(key):  # would hold this rank's shard under one name
+                    raise RuntimeError(f"{key}: a fused experts tensor left after ModelOpt's export handlers")
                 key = self.rename(key, offset)
                 break
         source = self.source_dtypes.get(key)

@@ -125,3 +125,24 @@ def test_ep8_fsdp_export_is_byte_identical(source, tmp_path):
                                   "batches": 8}, timeout_s=600)
     _assert_identical(ref, out)
     assert len(results[0].bytes_written) == 8 and all(b > 0 for b in results[0].bytes_written)
+
+
+def test_unquantized_experts_are_refused_before_writing(source, tmp_path):
+    """A recipe that leaves the routed experts unquantized: the fused (rank-local) tensors have no per-expert
+    form to write, so the export stops at planning, naming the layers."""
+    import torch
+
+    import modelopt_ext
+    from modelopt_ext.export.writer import export_checkpoint
+    from modelopt_ext.quant.recipes import load, quant_config
+
+    model = modelopt_ext.from_pretrained(source, trust_remote_code=True, dtype=torch.float32)
+    cfg = quant_config(load(FP8), model.config)
+    cfg["quant_cfg"].append({"quantizer_name": "*block_sparse_moe.experts*", "enable": False})
+    import modelopt.torch.quantization as mtq
+
+    ids = torch.randint(13, 500, (1, 8), generator=torch.Generator().manual_seed(0))
+    model = mtq.quantize(model, dict(cfg), lambda m: m(input_ids=ids, use_cache=False))
+    with pytest.raises(ValueError, match=r"routed experts of layers \[1, 2, 3, 4, 5\] .* are not quantized"):
+        export_checkpoint(model, tmp_path / "export", source_dir=source)
+    assert list(tmp_path.iterdir()) == []
