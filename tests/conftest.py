@@ -23,3 +23,21 @@ def tiny_ckpt(tmp_path_factory):
     from modelopt_ext.testing.checkpoints import tiny_kimi_k3
 
     return tiny_kimi_k3(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Calls of `modelopt_ext.from_pretrained`, made to fail: for tests whose input must be refused before
+    anything is loaded (assert the list is empty)."""
+    import modelopt_ext
+    import modelopt_ext.loading
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("from_pretrained called before validation finished")
+
+    monkeypatch.setattr(modelopt_ext, "from_pretrained", refuse)
+    monkeypatch.setattr(modelopt_ext.loading, "from_pretrained", refuse)
+    return calls

@@ -18,8 +18,6 @@ import pytest
 import torch
 import yaml
 
-import modelopt_ext
-import modelopt_ext.loading
 from modelopt_ext.cli import main
 from modelopt_ext.families import families
 from modelopt_ext.lock import sha256_file
@@ -35,20 +33,6 @@ PREFIX = "modelopt-ext ptq: error: "
 def ckpt(tiny_ckpt, tmp_path_factory):
     """An unmodified copy, for the tests whose bad input is not the checkpoint (never loaded)."""
     return copy_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("bad_input"), "bad_input_ok")
-
-
-@pytest.fixture
-def loads(monkeypatch):
-    """Calls of from_pretrained (made to fail): these inputs must be refused before any."""
-    calls = []
-
-    def refuse(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("from_pretrained called before validation finished")
-
-    monkeypatch.setattr(modelopt_ext, "from_pretrained", refuse)
-    monkeypatch.setattr(modelopt_ext.loading, "from_pretrained", refuse)
-    return calls
 
 
 def _ptq(capsys, model: Path, out: Path, *extra: str) -> tuple[int, str]:

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import modelopt_ext
-import modelopt_ext.loading
 from modelopt_ext import ptq
 from modelopt_ext.cli import build_parser, main
 from modelopt_ext.dist import DEFAULT_TIMEOUT_S
@@ -45,20 +43,6 @@ EXPORTER = pytest.mark.skipif(not _exporter_ready(), reason="export_checkpoint i
 def ckpt(tiny_ckpt, tmp_path_factory):
     """A copy of the stand-in for the tests that validate only (never loaded through modelopt_ext)."""
     return copy_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("ptq"), "ptq_validate")
-
-
-@pytest.fixture
-def loads(monkeypatch):
-    """Calls of from_pretrained (made to fail): validation must reject bad arguments before any."""
-    calls = []
-
-    def refuse(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("from_pretrained called before validation finished")
-
-    monkeypatch.setattr(modelopt_ext, "from_pretrained", refuse)
-    monkeypatch.setattr(modelopt_ext.loading, "from_pretrained", refuse)
-    return calls
 
 
 def _parse(*argv: str):
