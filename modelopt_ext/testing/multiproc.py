@@ -60,6 +60,13 @@ def run_ranks(target: str, world_size: int, kwargs: dict[str, Any] | None = None
 
 
 def _worker(target: str, tmp: str) -> None:
+    """Run the body, save its result and leave without tearing the process group down: rank 0 hosts the
+    store, and a rank still destroying its group when rank 0 has exited can abort in C++ destructors
+    ("terminate called without an active exception"), failing a passing run. So every rank marks itself done
+    in the store (not a collective: a body may leave the group broken on purpose) and rank 0 leaves last."""
+    import datetime
+    import traceback
+
     import torch.distributed as dist
 
     from modelopt_ext.dist import init_distributed
@@ -68,11 +75,24 @@ def _worker(target: str, tmp: str) -> None:
     fn = getattr(importlib.import_module(module_name), fn_name)
     kwargs = json.loads((Path(tmp) / "kwargs.json").read_text())
     rank, world = init_distributed(timeout_s=120)
+    status = 1
     try:
         result = fn(rank, world, **kwargs)
         torch.save(result, Path(tmp) / f"rank{rank}.pt")
+        status = 0
+    except BaseException:  # noqa: BLE001 - reported in the rank's log, then a non-zero exit
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"multiproc/done/{rank}", str(status))
+            if rank == 0:
+                store.wait([f"multiproc/done/{r}" for r in range(world)], datetime.timedelta(seconds=60))
+        except Exception:  # noqa: BLE001 - a peer died: nothing to wait for
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 if __name__ == "__main__":
