@@ -55,7 +55,9 @@ def all_or_fail(step: str, fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if any rank raises, every rank raises RankFailure naming the failed ranks,
     the step and their errors (the failing rank chains its own exception). If a rank died or stalls, the
     survivors raise RankFailure with every rank's last position (see the module doc) within the group's
-    timeout."""
+    timeout. Without a process group it just runs `fn` (one process)."""
+    if not in_group():
+        return fn()
     mark(step)
     result, error, exc = None, None, None
     try:
@@ -81,10 +83,24 @@ def all_or_fail(step: str, fn: Callable[[], T]) -> T:
     return result
 
 
-def agree(what: str, value: Any) -> None:
-    """Check that every rank computed the same `value` (e.g. a plan) before acting on it."""
+def in_group() -> bool:
+    """Whether this process is in an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (collective); `[value]` without a process group."""
+    if not in_group():
+        return [value]
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
+    return values
+
+
+def agree(what: str, value: Any) -> None:
+    """Check that every rank computed the same `value` (e.g. a plan) before acting on it (collective;
+    nothing to check without a process group)."""
+    values = gather_objects(value)
     differing = [r for r, v in enumerate(values) if v != values[0]]
     if differing:
         a, b = values[0], values[differing[0]]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 _POSITION = "modelopt_ext/position/"
 _FAILED = "modelopt_ext/failed/"
+_FAILED_COUNT = "modelopt_ext/failed_count"  # one counter, so the watch polls one key, not one per rank
 EXIT_STATUS = 1
 
 
@@ -79,6 +80,11 @@ def record_failure(step: str, error: str) -> None:
     """Record that `step` raised `error` on this rank."""
     if dist.is_available() and dist.is_initialized():
         _set(f"{_FAILED}{dist.get_rank()}", [step, error[:500], time.time()])
+        store = _store()
+        try:
+            store.add(_FAILED_COUNT, 1)
+        except Exception:  # noqa: BLE001 - see _set
+            pass
 
 
 def failures() -> dict[int, tuple[str, str]]:
@@ -138,8 +144,13 @@ class FailureWatch:
         return False
 
     def _run(self) -> None:
-        me = dist.get_rank()
+        me, store = dist.get_rank(), _store()
         while not self._stop.wait(self.poll_s):
+            try:
+                if store.add(_FAILED_COUNT, 0) == 0:
+                    continue
+            except Exception:  # noqa: BLE001 - the store is gone: the collectives will fail on their own
+                return
             others = {r: f for r, f in failures().items() if r != me}
             if not others:
                 continue

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import modelopt_ext
-from modelopt_ext.dist import RankFailure, agree, all_or_fail, init_distributed
+from modelopt_ext.dist import RankFailure, agree, all_or_fail, gather_objects, init_distributed
 from modelopt_ext.export import writer
 from modelopt_ext.faults import FailureWatch
 from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
@@ -218,9 +218,6 @@ class _Run:
         if self.rank == 0:
             logger.info("%s done in %.1f s", name, self.seconds[name])
 
-    def step(self, name: str, fn):
-        return all_or_fail(name, fn) if self.distributed else fn()
-
     def main(self) -> PtqSummary:
         a = self.args
         with self.phase("validate"):
@@ -228,16 +225,16 @@ class _Run:
             self._join()
             if self.distributed:
                 self.watch.enter_context(FailureWatch(grace_s=min(15.0, float(a.timeout))))
-                agree("the ptq arguments", {k: v for k, v in sorted(vars(a).items()) if not callable(v)})
-            inputs = self.step(
+            agree("the ptq arguments", {k: v for k, v in sorted(vars(a).items()) if not callable(v)})
+            inputs = all_or_fail(
                 "validate", lambda: validate(a, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)
             )
         with self.phase("load"):
-            model = self.step("load", self._load)
+            model = all_or_fail("load", self._load)
         with self.phase("calibrate"):
             result, tokens = self._calibrate(model, inputs)
         with self.phase("export"):
-            export = self.step("export", lambda: self._export(result))
+            export = all_or_fail("export", lambda: self._export(result))
         with self.phase("summary"):
             summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line())
         if self.rank == 0:
@@ -285,13 +282,11 @@ class _Run:
                 inputs.tokenizer, inputs.texts, **sizes, rank=self.rank, world_size=self.world_size
             )
 
-        cfg, batches = self.step("calibrate", prepare)
-        if self.distributed:  # every rank must run the same number of (collective) EP forwards
-            counts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(counts, len(batches))
-            if min(counts) < len(batches):
-                logger.warning("rank %d: calibrating on %d of its %d batches", self.rank, min(counts), len(batches))
-                batches = batches[: min(counts)]
+        cfg, batches = all_or_fail("calibrate", prepare)
+        counts = gather_objects(len(batches))  # every rank must run the same number of (collective) EP forwards
+        if min(counts) < len(batches):
+            logger.warning("rank %d: calibrating on %d of its %d batches", self.rank, min(counts), len(batches))
+            batches = batches[: min(counts)]
         embeddings = model.get_input_embeddings()
         device = embeddings.weight.device if embeddings is not None else torch.device("cpu")
         batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
@@ -306,7 +301,7 @@ class _Run:
         options = {"router_glob": inputs.family.router_glob, "num_experts": inputs.num_experts}
         options.update(uncovered=a.uncovered_experts, progress=on_batch)
         with bar:
-            result = self.step("calibrate", lambda: calibrate(model, cfg, batches, **options))
+            result = all_or_fail("calibrate", lambda: calibrate(model, cfg, batches, **options))
         return result, tokens
 
     def _export(self, result):
@@ -325,10 +320,7 @@ class _Run:
     def _summary(self, model, inputs: Inputs, export, tokens: int, coverage: str) -> PtqSummary:
         read = sum(getattr(model, "modelopt_ext_bytes_read", {}).values())
         mine = {"tokens": tokens, "peak_host_bytes": peak_host_bytes(), "peak_device_bytes": peak_device_bytes()}
-        rows: list[Any] = [{**mine, "bytes_read": read}]
-        if self.distributed:
-            rows = [None] * self.world_size
-            dist.all_gather_object(rows, {**mine, "bytes_read": read})
+        rows = gather_objects({**mine, "bytes_read": read})
         written = list(export.bytes_written) + [0] * (self.world_size - len(export.bytes_written))
         return PtqSummary(
             **{key: [row[key] for row in rows] for key in rows[0]},

@@ -26,14 +26,13 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from modelopt_ext.dist import agree, all_or_fail
+from modelopt_ext.dist import agree, all_or_fail, gather_objects, in_group
 from modelopt_ext.export.compat import KV_CACHE_MAX_BOUND, export_dtype, fused_property_weights, modelopt_export_api
 from modelopt_ext.export.files import ExportFiles, check_experts_per_file, expert_key_renamer
 from modelopt_ext.export.layout import INDEX_NAME, _read_header
@@ -63,20 +62,6 @@ class ExportResult:
     total_bytes: int  # tensor data bytes in the index
     bytes_written: tuple[int, ...]  # tensor data bytes each rank wrote
     seconds: float
-
-
-def _world() -> tuple[int, int, bool]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), True
-    return 0, 1, False
-
-
-def _gather(value: Any, distributed: bool) -> list[Any]:
-    if not distributed:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None) -> ExportFiles:
@@ -269,11 +254,7 @@ def export_checkpoint(
         progress: called on every rank with (units done, units) after each unit.
     """
     start = time.perf_counter()
-    rank, world, distributed = _world()
-
-    def step(name: str, fn):
-        return all_or_fail(name, fn) if distributed else fn()
-
+    rank, world = (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
     export_dir = check_export_dir(export_dir, overwrite)
     source_dir = Path(source_dir)
     api = modelopt_export_api()
@@ -289,25 +270,24 @@ def export_checkpoint(
         _refuse_cross_module_formats(quant_config)
         return family, files, dtype, quant_config, _source_dtypes(source_dir)
 
-    family, files, dtype, quant_config, source_dtypes = step("export planning", plan)
-    if distributed:
-        agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
-    staging = step("export staging", lambda: staging_dir(export_dir) if rank == 0 else None)
-    staging = Path(_gather(str(staging) if staging else None, distributed)[0])
+    family, files, dtype, quant_config, source_dtypes = all_or_fail("export planning", plan)
+    agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
+    staging = all_or_fail("export staging", lambda: staging_dir(export_dir) if rank == 0 else None)
+    staging = Path(gather_objects(str(staging) if staging else None)[0])
     try:
         exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank, world)
         units = _units(model, files)
         for i, unit in enumerate(units):
             what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
-            step(f"export of {what}", lambda unit=unit: exporter.export(unit))
+            all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
             if progress is not None:
                 progress(i + 1, len(units))
-        maps = _gather(exporter.written, distributed)
-        written = tuple(_gather(exporter.bytes_written, distributed))
-        result = step("export finalization", lambda: _finalize(staging, source_dir, files, maps, quant_config, api,
-                                                               write_extra) if rank == 0 else None)
-        tensors, total = _gather(result, distributed)[0]
-        step("export publishing", lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
+        maps = gather_objects(exporter.written)
+        written = tuple(gather_objects(exporter.bytes_written))
+        result = all_or_fail("export finalization", lambda: _finalize(
+            staging, source_dir, files, maps, quant_config, api, write_extra) if rank == 0 else None)
+        tensors, total = gather_objects(result)[0]
+        all_or_fail("export publishing", lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
     except BaseException:
         if rank == 0:
             discard(staging)
