@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from modelopt_ext.export.verify import MANIFEST_NAME, ExportInvalid, source_name, verify_export
 from modelopt_ext.models.kimi_k3.experts import KimiK3PackedExperts
 from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.export_edits import fix_total_size, read_index, rewrite, shard_of
 
 INDEX = "model.safetensors.index.json"
 EMBED = "language_model.model.embed_tokens.weight"
@@ -75,14 +76,6 @@ def _copy(export: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(export, tmp_path / "export"))
 
 
-def _index(export: Path) -> dict:
-    return json.loads((export / INDEX).read_text())
-
-
-def _shard_of(export: Path, key: str) -> Path:
-    return export / _index(export)["weight_map"][key]
-
-
 def _data_span(path: Path, key: str) -> tuple[int, int]:
     """Absolute byte range of a tensor's data in a safetensors file."""
     raw = path.read_bytes()
@@ -98,22 +91,6 @@ def _xor_bytes(path: Path, key: str, mask: int, count: int = 16) -> None:
     for i in range(start, min(start + count, end)):
         raw[i] ^= mask
     path.write_bytes(bytes(raw))
-
-
-def _rewrite(path: Path, mutate) -> None:
-    tensors = load_file(str(path))
-    mutate(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _fix_total_size(export: Path) -> None:
-    index = _index(export)
-    total = 0
-    for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(str(export / shard), framework="pt") as f:
-            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
-    index["metadata"]["total_size"] = total
-    (export / INDEX).write_text(json.dumps(index))
 
 
 def _problems(export: Path, source: Path | None = None, **kwargs) -> tuple[str, ...]:
@@ -148,7 +125,7 @@ def test_source_name_table():
 
 def test_fp8_sharded_export_passes_without_source(fp8):
     _, export = fp8
-    index = _index(export)
+    index = read_index(export)
     dtypes = _dtypes(export)
     report = verify_export(export)
     assert report.ok and report.problems == ()
@@ -166,7 +143,7 @@ def test_fp8_export_passes_with_source(fp8):
     report = verify_export(export, src)
     assert report.source_dir == str(src)
     # Independent reference for one weight: |q * s - w| / max|w| with q, s, w read directly.
-    with safe_open(str(_shard_of(export, DOWN)), framework="pt") as f:
+    with safe_open(str(shard_of(export, DOWN)), framework="pt") as f:
         q, s = f.get_tensor(DOWN).float(), f.get_tensor(DOWN + "_scale").float()
     src_index = json.loads((src / INDEX).read_text())["weight_map"]
     with safe_open(str(src / src_index[DOWN]), framework="pt") as f:
@@ -247,7 +224,7 @@ def test_invalid_export_gets_no_manifest(fp8, tmp_path):
 def test_flipped_bytes_in_unquantized_tensor(fp8, tmp_path):
     src, export = fp8[0], _copy(fp8[1], tmp_path)
     verify_export(export, write_manifest=True)
-    shard = _shard_of(export, EMBED)
+    shard = shard_of(export, EMBED)
     _xor_bytes(shard, EMBED, 0x5A)
     assert _problems(export) == (
         f"{shard.name} changed since {MANIFEST_NAME} was written (sha256 "
@@ -263,7 +240,7 @@ def test_flipped_bytes_in_unquantized_tensor(fp8, tmp_path):
 def test_flipped_bytes_in_quantized_weight_break_the_bound(which, fp8, nvfp4, tmp_path):
     src, original = {"fp8": fp8, "nvfp4": nvfp4}[which]
     export = _copy(original, tmp_path)
-    shard = _shard_of(export, DOWN) if which == "fp8" else export / "model.safetensors"
+    shard = shard_of(export, DOWN) if which == "fp8" else export / "model.safetensors"
     # FP8: bit 3 is the lowest exponent bit, so every flipped value moves by at least a factor 2 (or 2**-6
     # units of the scale next to the subnormals). NVFP4: 0x88 flips the sign of both codes of a byte, which
     # moves every nonzero code by twice its value, at least a whole 0.5 step.
@@ -279,15 +256,15 @@ def test_swapped_nvfp4_nibbles_are_caught(nvfp4, tmp_path):
     def swap(t):
         t[GATE_PROJ] = (t[GATE_PROJ] << 4) | (t[GATE_PROJ] >> 4)
 
-    _rewrite(export / "model.safetensors", swap)
+    rewrite(export / "model.safetensors", swap)
     problems = _problems(export, src)
     assert len(problems) == 1 and problems[0].startswith(f"{GATE_PROJ}: ")
 
 
 def test_missing_tensor_is_named(fp8, tmp_path):
     src, export = fp8[0], _copy(fp8[1], tmp_path)
-    shard = _shard_of(export, NORM)
-    _rewrite(shard, lambda t: t.pop(NORM))
+    shard = shard_of(export, NORM)
+    rewrite(shard, lambda t: t.pop(NORM))
     problems = _problems(export)
     assert f"tensor {NORM} is listed in {INDEX} (shard {shard.name}) but missing from every shard" in problems
     assert any(p.startswith(f"{INDEX}: metadata.total_size ") for p in problems)
@@ -298,11 +275,11 @@ def test_missing_tensor_is_named(fp8, tmp_path):
 def test_missing_weight_scale_leaves_orphans(fp8, tmp_path):
     export = _copy(fp8[1], tmp_path)
     key = f"{Q_PROJ}.weight_scale"
-    _rewrite(_shard_of(export, key), lambda t: t.pop(key))
-    index = _index(export)
+    rewrite(shard_of(export, key), lambda t: t.pop(key))
+    index = read_index(export)
     del index["weight_map"][key]
     (export / INDEX).write_text(json.dumps(index))
-    _fix_total_size(export)
+    fix_total_size(export)
     assert set(_problems(export)) == {
         f"orphan scale {Q_PROJ}.input_scale: {Q_PROJ} has no weight_scale",
         f"{Q_PROJ}.weight is F8_E4M3 but {Q_PROJ}.weight_scale is missing",
@@ -311,10 +288,10 @@ def test_missing_weight_scale_leaves_orphans(fp8, tmp_path):
 
 def test_duplicated_key_in_two_shards(fp8, tmp_path):
     export = _copy(fp8[1], tmp_path)
-    home = _shard_of(export, EMBED)
-    other = next(export / s for s in sorted(set(_index(export)["weight_map"].values())) if s != home.name)
+    home = shard_of(export, EMBED)
+    other = next(export / s for s in sorted(set(read_index(export)["weight_map"].values())) if s != home.name)
     embed = load_file(str(home))[EMBED]
-    _rewrite(other, lambda t: t.__setitem__(EMBED, embed))
+    rewrite(other, lambda t: t.__setitem__(EMBED, embed))
     problems = _problems(export)
     first, second = sorted([home.name, other.name])
     assert f"tensor {EMBED} is stored in 2 shards: {first}, {second}" in problems
@@ -322,7 +299,7 @@ def test_duplicated_key_in_two_shards(fp8, tmp_path):
 
 def test_index_entry_pointing_to_wrong_shard(fp8, tmp_path):
     export = _copy(fp8[1], tmp_path)
-    index = _index(export)
+    index = read_index(export)
     home = index["weight_map"][NORM]
     wrong = next(s for s in sorted(set(index["weight_map"].values())) if s != home)
     index["weight_map"][NORM] = wrong
@@ -332,7 +309,7 @@ def test_index_entry_pointing_to_wrong_shard(fp8, tmp_path):
 
 def test_index_naming_a_missing_shard(fp8, tmp_path):
     export = _copy(fp8[1], tmp_path)
-    index = _index(export)
+    index = read_index(export)
     index["weight_map"][NORM] = "model-00009-of-00009.safetensors"
     (export / INDEX).write_text(json.dumps(index))
     problems = _problems(export)
@@ -343,8 +320,8 @@ def test_index_naming_a_missing_shard(fp8, tmp_path):
 def test_fp8_scale_with_wrong_dtype(fp8, tmp_path):
     src, export = fp8[0], _copy(fp8[1], tmp_path)
     key = f"{Q_PROJ}.weight_scale"
-    _rewrite(_shard_of(export, key), lambda t: t.__setitem__(key, t[key].to(torch.bfloat16)))
-    _fix_total_size(export)
+    rewrite(shard_of(export, key), lambda t: t.__setitem__(key, t[key].to(torch.bfloat16)))
+    fix_total_size(export)
     expected = (f"{key} is BF16 [], expected F32 [] (FP8 per-tensor weight scale)",)
     assert _problems(export) == _problems(export, src) == expected
 
@@ -352,7 +329,7 @@ def test_fp8_scale_with_wrong_dtype(fp8, tmp_path):
 def test_nvfp4_block_scale_with_wrong_dtype(nvfp4, tmp_path):
     src, export = nvfp4[0], _copy(nvfp4[1], tmp_path)
     key = f"{GATE_PROJ}_scale"
-    _rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, t[key].float()))
+    rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, t[key].float()))
     expected = (f"{key} is F32 [64, 4], expected F8_E4M3 [64, 4] (NVFP4 per-16-block scale of {GATE_PROJ})",)
     assert _problems(export) == _problems(export, src) == expected
 
@@ -399,7 +376,7 @@ def test_configs_that_disagree(nvfp4, tmp_path):
 def test_orphan_scale_on_unquantized_module(nvfp4, tmp_path):
     export = _copy(nvfp4[1], tmp_path)
     key = "language_model.model.layers.0.input_layernorm.input_scale"
-    _rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, torch.tensor(1.0)))
+    rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, torch.tensor(1.0)))
     assert _problems(export) == (
         f"orphan scale {key}: language_model.model.layers.0.input_layernorm has no weight_scale",
     )
@@ -408,7 +385,7 @@ def test_orphan_scale_on_unquantized_module(nvfp4, tmp_path):
 def test_unmapped_export_key_with_source(nvfp4, tmp_path):
     src, export = nvfp4[0], _copy(nvfp4[1], tmp_path)
     key = "language_model.model.layers.0.extra_norm.bias"
-    _rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, torch.zeros(4, dtype=torch.bfloat16)))
+    rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, torch.zeros(4, dtype=torch.bfloat16)))
     assert verify_export(export).ok
     assert _problems(export, src) == (f"export tensor {key} has no source tensor {key} (plain or MXFP4)",)
 
@@ -506,7 +483,7 @@ def test_nvfp4_bound_at_its_edges(tmp_path):
 def test_nvfp4_missing_second_scale(nvfp4, tmp_path):
     export = _copy(nvfp4[1], tmp_path)
     module = GATE_PROJ[: -len(".weight")]
-    _rewrite(export / "model.safetensors", lambda t: t.pop(f"{module}.weight_scale_2"))
+    rewrite(export / "model.safetensors", lambda t: t.pop(f"{module}.weight_scale_2"))
     assert _problems(export) == (
         f"{module}.weight_scale_2 is missing (an NVFP4 weight needs its per-tensor scale)",
     )

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from modelopt_ext.export.verify import MANIFEST_NAME, ExportInvalid, verify_export
 from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.export_edits import fix_total_size, read_index, rewrite, shard_of
 
 INDEX = "model.safetensors.index.json"
 RECIPE = "kimi_k3/nvfp4_experts-fp8_attention"
@@ -83,14 +84,6 @@ def fp8_pb_wo(tiny_ckpt, tmp_path_factory) -> tuple[Path, Path]:
 # helpers written independently of the module under test
 
 
-def _index(export: Path) -> dict:
-    return json.loads((export / INDEX).read_text())
-
-
-def _shard_of(export: Path, key: str) -> Path:
-    return export / _index(export)["weight_map"][key]
-
-
 def _headers(export: Path) -> dict[str, tuple[str, list[int]]]:
     out = {}
     for shard in sorted(export.glob("*.safetensors")):
@@ -101,28 +94,13 @@ def _headers(export: Path) -> dict[str, tuple[str, list[int]]]:
     return out
 
 
-def _rewrite(path: Path, mutate) -> None:
-    tensors = load_file(str(path))
-    mutate(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _fix_total_size(export: Path) -> None:
-    index = _index(export)
-    total = 0
-    for shard in sorted(set(index["weight_map"].values())):
-        total += sum(t.numel() * t.element_size() for t in load_file(str(export / shard)).values())
-    index["metadata"]["total_size"] = total
-    (export / INDEX).write_text(json.dumps(index))
-
-
 def _drop(export: Path, keys: list[str]) -> None:
-    for shard in sorted({_shard_of(export, k).name for k in keys}):
-        _rewrite(export / shard, lambda t: [t.pop(k, None) for k in keys])
-    index = _index(export)
+    for shard in sorted({shard_of(export, k).name for k in keys}):
+        rewrite(export / shard, lambda t: [t.pop(k, None) for k in keys])
+    index = read_index(export)
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in keys}
     (export / INDEX).write_text(json.dumps(index))
-    _fix_total_size(export)
+    fix_total_size(export)
 
 
 def _copy(export: Path, tmp_path: Path) -> Path:
@@ -167,9 +145,9 @@ def test_mixed_export_passes_with_source(mixed):
     assert report.manifest == "checked"
     assert 0.9 < report.max_bound_ratio["NVFP4"] <= 1.0 and 0.5 < report.max_bound_ratio["fp8_pb_wo"] <= 1.0
     # Independent reference for the two-block weight: each 128-row block times its own scale.
-    with safe_open(str(_shard_of(export, f"{Q_B}.weight")), framework="pt") as f:
+    with safe_open(str(shard_of(export, f"{Q_B}.weight")), framework="pt") as f:
         q, s = f.get_tensor(f"{Q_B}.weight").float(), f.get_tensor(f"{Q_B}.weight_scale").float().flatten()
-    with safe_open(str(_shard_of(src, f"{Q_B}.weight")), framework="pt") as f:
+    with safe_open(str(shard_of(src, f"{Q_B}.weight")), framework="pt") as f:
         w = f.get_tensor(f"{Q_B}.weight").float()
     assert s[0] != s[1]
     deq = torch.cat([q[:128] * s[0], q[128:] * s[1]])
@@ -200,8 +178,8 @@ def test_modelopt_fp8_pb_wo_export_passes(fp8_pb_wo):
 def test_fp8_pb_wo_scale_with_wrong_shape_or_dtype(mixed, tmp_path, module, scale, expected):
     src, export = mixed[0], _copy(mixed[1], tmp_path)
     key = f"{module}.weight_scale"
-    _rewrite(_shard_of(export, key), lambda t: t.__setitem__(key, scale))
-    _fix_total_size(export)
+    rewrite(shard_of(export, key), lambda t: t.__setitem__(key, scale))
+    fix_total_size(export)
     problems = _problems(export)
     assert len(problems) == 1 and problems[0].startswith(f"{key} {expected}"), problems
     assert _problems(export, src) == problems  # a malformed weight is not compared
@@ -211,8 +189,8 @@ def test_fp8_weight_stored_as_bf16_is_reported(mixed, tmp_path):
     """The E4M3 codes cast to the source dtype (what the exporter once wrote): exact values, wrong format."""
     src, export = mixed[0], _copy(mixed[1], tmp_path)
     key = f"{Q_B}.weight"
-    _rewrite(_shard_of(export, key), lambda t: t.__setitem__(key, t[key].to(torch.bfloat16)))
-    _fix_total_size(export)
+    rewrite(shard_of(export, key), lambda t: t.__setitem__(key, t[key].to(torch.bfloat16)))
+    fix_total_size(export)
     expected = (f"{key} is BF16 [192, 64], expected F8_E4M3 (fp8_pb_wo weight)",)
     assert _problems(export) == _problems(export, src) == expected
 
@@ -225,7 +203,7 @@ def test_fp8_pb_wo_scaled_block_breaks_the_bound(mixed, tmp_path):
         t[key] = t[key].clone()
         t[key][1] *= 1.25
 
-    _rewrite(_shard_of(export, key), scale_second_block)
+    rewrite(shard_of(export, key), scale_second_block)
     assert verify_export(export).ok  # still a valid layout
     problems = _problems(export, src)
     assert len(problems) == 1
@@ -296,8 +274,8 @@ def test_malformed_source_tensor(mixed, tmp_path):
     src = copy_checkpoint(mixed[0], tmp_path, "src")
     export = mixed[1]
     key = f"{LAYERS}.2.block_sparse_moe.experts.5.w2.weight"
-    shard = src / _index(src)["weight_map"][f"{key}_scale"]
-    _rewrite(shard, lambda t: t.__setitem__(f"{key}_scale", t[f"{key}_scale"][:, :1].contiguous()))
+    shard = src / read_index(src)["weight_map"][f"{key}_scale"]
+    rewrite(shard, lambda t: t.__setitem__(f"{key}_scale", t[f"{key}_scale"][:, :1].contiguous()))
     problems = _problems(export, src)
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"{key}: cannot compare with source {key}_packed, {key}_scale (ValueError: ")
