@@ -165,12 +165,19 @@ def test_index_names_missing_shard_file(ckpt):
     assert message.startswith(f"checkpoint {ckpt}: ")  # one problem, one line
 
 
-def test_deleted_shard_lists_problems_capped(ckpt):
+def test_deleted_shard_is_one_problem_naming_its_tensors(ckpt):
     keys = sorted(_header(ckpt / SHARD3)[1])
     (ckpt / SHARD3).unlink()
-    message = _refusal(ckpt, f"checkpoint {ckpt} has {len(keys)} problems:",
-                       f"tensor {keys[0]} is mapped to shard {SHARD3}, which does not exist",
-                       f"... and {len(keys) - 20} more")
+    message = _refusal(ckpt, f"checkpoint {ckpt}: {INDEX}: {len(keys)} tensors are mapped to shard {SHARD3}, "
+                             f"which does not exist (first: {', '.join(keys[:3])}, ...)")
+    assert len(message.splitlines()) == 1
+
+
+def test_many_problems_are_listed_capped(ckpt):
+    keys = sorted(_header(ckpt / SHARD1)[1])
+    _edit_index(ckpt, lambda index: index["weight_map"].update({k: f"gone-{i}.safetensors" for i, k in enumerate(keys)}))
+    message = _refusal(ckpt, f"checkpoint {ckpt} has ", f"tensor {keys[0]} is mapped to shard gone-0.safetensors, "
+                       "which does not exist", "more")
     assert len(message.splitlines()) == 1 + 20 + 1
 
 

@@ -67,6 +67,9 @@ def _read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
     return entries
 
 
+MISSING_SHARD_KEYS_SHOWN = 3
+
+
 def _check_index(
     path: Path, headers: dict[str, dict[str, _Entry]], where: dict[str, list[str]], shards: list[str],
     problems: list[str],
@@ -76,14 +79,23 @@ def _check_index(
     if not isinstance(weight_map, dict):
         problems.append(f"{path.name}: no weight_map object")
         return
+    missing: dict[str, list[str]] = {}
     for key, shard in sorted(weight_map.items()):
         if shard not in shards:
-            problems.append(f"{path.name}: tensor {key} is mapped to shard {shard}, which does not exist")
+            missing.setdefault(shard, []).append(key)
         elif shard in headers and key not in headers[shard]:
             if where.get(key):
                 problems.append(f"{path.name}: tensor {key} is mapped to {shard} but stored in {', '.join(where[key])}")
             else:
                 problems.append(f"tensor {key} is listed in {path.name} (shard {shard}) but missing from every shard")
+    for shard, keys in sorted(missing.items()):  # one line per missing shard, however many tensors it held
+        if len(keys) == 1:
+            problems.append(f"{path.name}: tensor {keys[0]} is mapped to shard {shard}, which does not exist")
+        else:
+            shown = MISSING_SHARD_KEYS_SHOWN
+            first = ", ".join(keys[:shown]) + (", ..." if len(keys) > shown else "")
+            problems.append(f"{path.name}: {len(keys)} tensors are mapped to shard {shard}, which does not exist "
+                            f"(first: {first})")
     referenced = set(weight_map.values())
     problems.extend(f"shard {s} is not referenced by {path.name}" for s in shards if s not in referenced)
     problems.extend(
