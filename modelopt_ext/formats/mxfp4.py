@@ -196,3 +196,26 @@ def dequantize_mxfp4(
     if validate and not bool(torch.isfinite(out).all()):
         logger.warning("MXFP4 dequantization overflowed %s; some values are inf", dtype)
     return out
+
+
+def _dequantize_body(packed: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, dtype: torch.dtype):
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
+    s = scale.to(torch.int32)
+    # 2 ** (s - 127) as float32 bits: the exponent field is s for s >= 1; s == 0 is the subnormal 2 ** -127.
+    pow2 = torch.where(s == 0, 1 << 22, s << 23).view(torch.float32)
+    vals = table[codes].view(*scale.shape, GROUP_SIZE) * pow2.unsqueeze(-1)
+    return vals.flatten(-2).to(dtype)
+
+
+def dequantize_mxfp4_fused(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+    """`dequantize_mxfp4(..., validate=False)` for the hot path, bit-identical: on CUDA one Triton kernel
+    (`kernels.mxfp4`) that reads the packed bytes and scales once and writes `dtype` (the reference goes
+    through float64 scales and several full-size temporaries); elsewhere the same float32 arithmetic in torch.
+    Scales must have been checked with `check_scales`; shapes are not re-validated here."""
+    if dtype == torch.float64:
+        return dequantize_mxfp4(packed, scale, dtype, validate=False)
+    if packed.is_cuda and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from modelopt_ext.kernels.mxfp4 import dequantize
+
+        return dequantize(packed, scale, dtype)
+    return _dequantize_body(packed, scale, _e2m1_table(packed.device, torch.float32), dtype)

@@ -293,3 +293,16 @@ def test_cross_check_compressed_tensors_unpack_and_scale():
     scale = torch.randint(100, 155, (32, 4), generator=g, dtype=U8)
     theirs = theirs.reshape(32, 4, 32) * decompress_mx_scale(scale).float()[..., None]
     _assert_identical(theirs.reshape(32, 128), dequantize_mxfp4(packed, scale, dtype=torch.float32))
+
+
+def test_fused_dequantization_is_bit_identical_for_every_byte_and_scale():
+    from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_fused
+
+    packed = torch.arange(256, dtype=torch.uint8).repeat(255, 1).view(255, 16, 16)  # every byte, every row
+    scale = torch.arange(255, dtype=torch.uint8).view(255, 1).repeat(1, 16).view(255, 16, 1)  # scales 0..254
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want = dequantize_mxfp4(packed, scale, dtype, validate=False)
+        got = dequantize_mxfp4_fused(packed, scale, dtype)
+        assert got.dtype == dtype
+        assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if dtype != torch.float32 else torch.int32))

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import use_experts_implementation
 
 from modelopt_ext.ep.dispatch import weighted_sum
-from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4
+from modelopt_ext.ep.local import Segment, expert_mlp, gather_weighted_sum, inverse_permutation, project, sort_by_expert
+from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4, dequantize_mxfp4_fused
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,10 @@ MIN_ROWS = 16
 # of ModelOpt's per-expert F.linear loop. "cuda" (default), "always" (tests on CPU), "never".
 GROUPED_STATISTICS = "cuda"
 
+# Plain inference on CUDA (no quantizers, no autograd, bf16) runs `_grouped_forward`: sync-free grouped GEMMs
+# instead of the per-expert loop. False keeps the eager reference everywhere.
+FAST_ON_CUDA = True
+
 
 def _pad_rows(x_ML: torch.Tensor) -> torch.Tensor:
     M = x_ML.shape[0]
@@ -58,20 +63,30 @@ def _situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linea
     return act.to(gate.dtype)
 
 
+def _situ_glu_sigmoid_form(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """The same function with tanh(z) = 2 sigmoid(2z) - 1 (exp-based; cheaper than tanh in a GPU kernel)."""
+    g, u = gate.float(), up.float()
+    gate_part = beta * (2 * torch.sigmoid(g * (2 / beta)) - 1) * torch.sigmoid(g)
+    act = gate_part * (linear_beta * (2 * torch.sigmoid(u * (2 / linear_beta)) - 1))
+    return act.to(gate.dtype)
+
+
 # On CUDA the activation is one compiled (Triton) kernel: it reads the 16-bit gate/up halves once and writes
 # the 16-bit product, with the fp32 arithmetic in registers, instead of ~10 elementwise passes over fp32
 # temporaries (measured in docs/performance.md). `FUSE_ON_CUDA = False` restores the eager reference.
 FUSE_ON_CUDA = True
-_fused_situ_glu = None
+# Which formula the compiled kernel computes: "tanh" (the reference) or "sigmoid" (`_situ_glu_sigmoid_form`).
+GLU_FORM = "tanh"
+_fused_situ_glu: dict[str, object] = {}
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-GLU in fp32, cast back: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`."""
-    global _fused_situ_glu
     if FUSE_ON_CUDA and gate.is_cuda and not torch.compiler.is_compiling():
-        if _fused_situ_glu is None:
-            _fused_situ_glu = torch.compile(_situ_glu_reference, dynamic=True, fullgraph=True)
-        return _fused_situ_glu(gate, up, beta, linear_beta)
+        if GLU_FORM not in _fused_situ_glu:
+            fn = _situ_glu_sigmoid_form if GLU_FORM == "sigmoid" else _situ_glu_reference
+            _fused_situ_glu[GLU_FORM] = torch.compile(fn, dynamic=True, fullgraph=True)
+        return _fused_situ_glu[GLU_FORM](gate, up, beta, linear_beta)
     return _situ_glu_reference(gate, up, beta, linear_beta)
 
 
@@ -94,6 +109,35 @@ class _FusedExpertsBase(nn.Module):
         """Weights readable as floating point of `dtype` for the duration of one forward."""
         yield
 
+    def _quantizer_free(self) -> bool:
+        """True when ModelOpt has not converted this module (no quantizers: plain inference)."""
+        return not any(name.endswith("_quantizer") or name.endswith("_quantizers") for name in self._modules)
+
+    def fast_path(self, hidden_states: torch.Tensor) -> bool:
+        """The grouped GPU path applies: CUDA, 16-bit rows, no autograd, no ModelOpt quantizers."""
+        return (FAST_ON_CUDA and hidden_states.is_cuda and hidden_states.dtype == torch.bfloat16
+                and not torch.is_grad_enabled() and self._quantizer_free())
+
+    def run_rows(self, x_SL: torch.Tensor, segments: list[Segment] | None = None,
+                 offs_E: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts on rows grouped by expert (`ep.local.expert_mlp`), weights read once per projection."""
+        with self.materialized(x_SL.dtype):
+            return expert_mlp(x_SL, _local(self.gate_up_proj), _local(self.down_proj), self._apply_gate, offs_E,
+                              segments)
+
+    def _grouped_forward(self, hidden_states, top_k_index, top_k_weights):
+        """One process on a GPU, no host sync: slots sorted by expert, two grouped GEMMs, the activation once,
+        then each token's K slots gathered, weighted and summed in one pass. Sentinel slots (id E) sort
+        after every group; their rows are zeroed before the sum."""
+        T, K = top_k_index.shape
+        E = self.num_experts
+        ids_S = top_k_index.reshape(-1)
+        order_S, offs_E = sort_by_expert(ids_S, E)
+        x_SL = hidden_states.index_select(0, order_S // K)
+        y_SL = self.run_rows(x_SL, offs_E=offs_E)
+        y_SL = torch.where((ids_S.index_select(0, order_S) < E).unsqueeze(-1), y_SL, 0)
+        return gather_weighted_sum(y_SL, inverse_permutation(order_S), top_k_weights)
+
     def _collecting_statistics(self) -> bool:
         """True when ModelOpt converted this module and none of its quantizers quantizes: they only collect
         statistics (max calibration), so the experts' inputs can be observed once per projection."""
@@ -108,23 +152,19 @@ class _FusedExpertsBase(nn.Module):
         projection's (shared) input quantizer shown all its rows at once. Gives the max statistics of the
         eager path (the max over the same rows) without its per-expert loop and host syncs. Rows of the EP
         sentinel (id E) are masked out of the statistics and the result."""
-        from transformers.integrations.moe import _grouped_linear
-
         T, K = top_k_index.shape
         E = self.num_experts
         ids_S = top_k_index.reshape(-1)
-        order_S = torch.argsort(ids_S, stable=True)
-        valid_S1 = (ids_S[order_S] < E).unsqueeze(-1)
-        x_SL = hidden_states[order_S // K]
-        offs_E = torch.cumsum(torch.bincount(ids_S, minlength=E + 1)[:E], 0).to(torch.int32)
+        order_S, offs_E = sort_by_expert(ids_S, E)
+        valid_S1 = (ids_S.index_select(0, order_S) < E).unsqueeze(-1)
+        x_SL = hidden_states.index_select(0, order_S // K)
         self.gate_up_proj_input_quantizer(torch.where(valid_S1, x_SL, 0))
-        h_SI = self._apply_gate(_grouped_linear(x_SL, self.gate_up_proj, offs_E))
-        h_SI = torch.where(valid_S1, h_SI, 0)
-        self.down_proj_input_quantizer(h_SI)
-        y_SL = torch.where(valid_S1, _grouped_linear(h_SI, self.down_proj, offs_E), 0)
-        slots_SL = torch.empty_like(y_SL)
-        slots_SL[order_S] = y_SL
-        return weighted_sum(slots_SL.view(T, K, -1), top_k_weights).to(hidden_states.dtype)
+        with self.materialized(hidden_states.dtype):
+            gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+            h_SI = torch.where(valid_S1, self._apply_gate(project(x_SL, gate_up, offs_E)), 0)
+            self.down_proj_input_quantizer(h_SI)
+            y_SL = torch.where(valid_S1, project(h_SI, down, offs_E), 0)
+        return gather_weighted_sum(y_SL, inverse_permutation(order_S), top_k_weights).to(hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """Eager reference: one `F.linear` pair per expert that received tokens (the path ModelOpt's fused-expert
@@ -139,6 +179,8 @@ class _FusedExpertsBase(nn.Module):
             order, the same arithmetic as the expert-parallel combine (`ep.dispatch.weighted_sum`), so a token's
             result does not depend on which other tokens share its experts or on the EP degree.
         """
+        if self.fast_path(hidden_states):
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         if (GROUPED_STATISTICS == "always" or (GROUPED_STATISTICS == "cuda" and hidden_states.is_cuda)) and (
                 self._collecting_statistics()):
             return self._grouped_statistics_forward(hidden_states, top_k_index, top_k_weights)
@@ -200,6 +242,8 @@ class KimiK3PackedExperts(_FusedExpertsBase):
         # Under expert parallelism the packed tensors are DTensors sharded on the expert dim: the module's
         # experts are this rank's shard (num_experts is the local count), so dequantize the local part.
         packed, scale = (_local(getattr(self, f"{name}_{part}")) for part in ("packed", "scale"))
+        if packed.is_cuda:
+            return dequantize_mxfp4_fused(packed, scale, self.dequant_dtype)
         return dequantize_mxfp4(packed, scale, self.dequant_dtype, validate=False)
 
     def _drop(self, name: str) -> None:

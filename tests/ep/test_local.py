@@ -1,0 +1,75 @@
+"""ep.local: expert-grouped rows, the three GEMM layouts, and the fused combine's reference arithmetic."""
+
+import torch
+
+from modelopt_ext.ep import local
+from modelopt_ext.ep.dispatch import weighted_sum
+
+E, L, I = 4, 32, 24
+
+
+def _weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return 0.2 * torch.randn(E, 2 * I, L, generator=g), 0.2 * torch.randn(E, L, I, generator=g)
+
+
+def _act(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _loop(x, ids, w13, w2):
+    return torch.stack([_act(x[r] @ w13[ids[r]].t()) @ w2[ids[r]].t() for r in range(x.shape[0])])
+
+
+def test_sort_by_expert_groups_rows_and_puts_the_sentinel_last():
+    ids = torch.tensor([3, 0, 4, 1, 0, 3, 4, 2])  # 4 == E: the EP sentinel
+    order, offs = local.sort_by_expert(ids, E)
+    assert ids[order].tolist() == [0, 0, 1, 2, 3, 3, 4, 4]
+    assert order[:2].tolist() == [1, 4]  # stable
+    assert offs.dtype == torch.int32 and offs.tolist() == [2, 3, 4, 6]
+    inverse = local.inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(8))
+
+
+def test_grouped_segment_and_tiled_layouts_agree_with_a_row_loop():
+    w13, w2 = _weights()
+    ids = torch.tensor([2, 0, 0, 3, 2, 2, 0, 3, 3, 3, 0])
+    x = torch.randn(ids.numel(), L)
+    want = _loop(x, ids, w13, w2)
+    order, offs = local.sort_by_expert(ids, E)
+    grouped = local.expert_mlp(x[order], w13, w2, _act, offs_E=offs)
+    torch.testing.assert_close(grouped, want[order], rtol=1e-4, atol=1e-4)
+    counts = torch.bincount(ids, minlength=E).tolist()
+    segments = [(e, sum(counts[:e]), counts[e]) for e in range(E)]  # expert 1 has no rows
+    for tile in (0, 1, 2, 64):
+        got = local.expert_mlp(x[order], w13, w2, _act, segments=segments, row_tile=tile)
+        torch.testing.assert_close(got, want[order], rtol=1e-4, atol=1e-4)
+
+
+def test_block_segments_walk_source_blocks_in_order():
+    assert local.block_segments([[2, 0], [1, 3]]) == [(0, 0, 2), (1, 2, 0), (0, 2, 1), (1, 3, 3)]
+    assert local.block_segments([[1]], start=5) == [(0, 5, 1)]
+
+
+def test_project_needs_a_layout():
+    w13, _ = _weights()
+    try:
+        local.project(torch.randn(3, L), w13)
+    except ValueError as err:
+        assert "offs_E" in str(err) and "segments" in str(err)
+    else:
+        raise AssertionError("project without offs_E or segments must refuse")
+
+
+def test_gather_weighted_sum_is_the_combine_arithmetic():
+    T, K, H = 5, 3, 8
+    back = torch.randn(T * K, H)
+    order = torch.randperm(T * K)
+    inverse = local.inverse_permutation(order)
+    w = torch.rand(T, K)
+    want = weighted_sum(back.index_select(0, inverse).view(T, K, H), w)
+    assert torch.equal(local.gather_weighted_sum(back, inverse, w), want)
+    out = torch.empty(T + 2, H)
+    local.gather_weighted_sum(back, inverse, w, out=out[1:T + 1])
+    assert torch.equal(out[1:T + 1], want)
