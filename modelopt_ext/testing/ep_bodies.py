@@ -302,3 +302,38 @@ def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str):
     experts = result.model.language_model.model.layers[1].block_sparse_moe.experts
     return {"uncovered": result.coverage.uncovered(), "sync": result.sync,
             "down_input_amax": float(experts.down_proj_input_quantizer.amax)}
+
+
+def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int]):
+    """`ep.overlap.overlapped_moe` against dispatch -> per-row experts -> combine, fp32, for several chunk
+    counts; rank 1 holds fewer tokens than the largest chunk count and some experts receive nothing."""
+    from modelopt_ext.ep.dispatch import combine, dispatch
+    from modelopt_ext.ep.overlap import overlapped_moe
+
+    E, H, K = 3, 16, 2
+    tokens = 5 if rank == 1 else 23
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.stack([torch.randperm(world_size * E - 1, generator=g)[:K] for _ in range(tokens)])  # last unused
+    w = torch.rand(tokens, K, generator=g)
+    scale = torch.arange(1, E + 1, dtype=torch.float32) * (rank + 1)  # expert e of this rank: x * scale[e]
+    group = dist.group.WORLD
+    rx, rids, meta = dispatch(x, ids, E, group)
+    want = combine(rx * scale[rids].unsqueeze(-1), w, meta, group)
+    seen = {"ok": True}
+
+    def run_rows(rows, segments):
+        out = torch.empty_like(rows)
+        covered = 0
+        for e, start, n in segments:
+            out[start:start + n] = rows[start:start + n] * scale[e]
+            covered += n
+        seen["ok"] &= covered == rows.shape[0]
+        return out
+
+    identical = {}
+    with torch.no_grad():
+        for c in chunks:
+            got = overlapped_moe(x, ids, w, E, group, run_rows, chunks=c)
+            identical[str(c)] = bool(torch.equal(got, want))
+    return {"identical": identical, "segments_cover_rows": seen["ok"], "shapes_ok": tuple(want.shape) == (tokens, H)}
