@@ -1,14 +1,21 @@
-"""EP benchmark at Kimi-K3 per-rank shapes, side by side in one run (GPUs, NCCL, one process per GPU).
+"""The EP MoE layer at Kimi-K3 per-rank shapes against its parts, side by side in one run.
 
-    torchrun --nproc-per-node 2 scripts/bench_ep.py [--tokens 4096 8192 16384] [--out DIR]
+    torchrun --nproc-per-node 2 scripts/bench_ep.py [--tokens 4096 16384] [--chunks 1 2 4] [--out DIR]
+    torchrun --nproc-per-node 2 scripts/bench_ep.py --device cpu --hidden 256 --inter 128 --tokens 64  # smoke
 
-Per rank: latent width 3584, top-16, 14 experts per rank (EP2 -> 28 experts), bf16, uniform random routing.
-Measures, with CUDA events (median of --reps after --warmup):
-  - dispatch + combine (modelopt_ext.ep.dispatch, identity experts) vs raw `all_to_all_single` of the same
-    bytes with the same splits (tokens there and back);
-  - the local experts block (KimiK3Experts, transformers' grouped_mm + SiTU-GLU) on the rows one rank
-    receives, in TFLOP/s, vs a plain 8192^3 bf16 matmul in the same process.
-Prints ratios; rank 0 writes DIR/bench_ep.json.
+Per rank (defaults): latent width 3584, expert width 3072, top-16, 14 experts per rank, bf16, a sigmoid
+top-k router over all W*14 experts. Median of --reps timings (CUDA events on GPUs) after --warmup, ranks in
+lock step. Measured in the same run:
+  - layer_ours[C]: router + `ep.overlap.overlapped_moe` with C chunks (exchange overlapped with the experts,
+    experts in place on the received blocks, fused weighted combine);
+  - layer_before: router + `ep.dispatch` + transformers' grouped_mm experts function + `combine` (the path
+    `torch_a2a` takes for calibration and autograd);
+  - parts: the two bare `torch._grouped_mm` GEMMs on the rows this rank receives + raw `all_to_all_single`
+    of the same rows there and back (the issue's yardstick: layer / parts <= 1.0);
+  - experts block (`run_rows`: GEMMs, activation) against a bf16 8192^3 matmul; the activation's two
+    compiled forms; MXFP4 dequantization of the local experts (reference vs fused kernel);
+  - dispatch+combine alone (identity experts) against the raw exchange.
+Rank 0 prints ratios and writes DIR/bench_ep.json.
 """
 
 from __future__ import annotations
@@ -17,173 +24,266 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from modelopt_ext.ep import local
+from modelopt_ext.ep.backend import run_local_experts
 from modelopt_ext.ep.dispatch import combine, dispatch
+from modelopt_ext.ep.overlap import overlapped_moe
+from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_fused
 from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts
 
-H, INTER, TOP_K, LOCAL_EXPERTS = 3584, 3072, 16, 14
 
-
-def timed(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of `fn` (CUDA events, ranks in lock step via barrier)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def routing(tokens: int, num_experts: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    scores = torch.rand(tokens, num_experts, generator=g, device="cuda")
-    ids = scores.topk(TOP_K, dim=-1).indices
-    weights = torch.rand(tokens, TOP_K, generator=g, device="cuda")
-    return ids, weights / weights.sum(-1, keepdim=True)
+def make_timer(device: str, warmup: int, reps: int):
+    def timed(fn) -> float:
+        """Median milliseconds of `fn`."""
+        for _ in range(warmup):
+            fn()
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                sync()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return timed
 
 
 class Config:  # the fields KimiK3Experts reads
-    num_experts = LOCAL_EXPERTS
-    latent_moe_dim = H
-    moe_intermediate_size = INTER
     activation_situ_beta = 4.0
     activation_situ_linear_beta = 25.0
     initializer_range = 0.02
     _experts_implementation = "grouped_mm"
 
+    def __init__(self, args):
+        self.num_experts = args.local_experts
+        self.latent_moe_dim = args.hidden
+        self.moe_intermediate_size = args.inter
 
-def bench_exchange(tokens: int, args, group) -> dict:
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-    ids, weights = routing(tokens, LOCAL_EXPERTS * world, seed=rank * 1000 + tokens)
 
-    def ours():
-        recv_x, _, meta = dispatch(x, ids, LOCAL_EXPERTS, group)
-        return combine(recv_x, weights, meta, group)
+def router(x_TH, w_NH, top_k):
+    scores = torch.sigmoid(x_TH.float() @ w_NH.float().t())
+    weights, ids = scores.topk(top_k, dim=-1)
+    return ids, weights / weights.sum(-1, keepdim=True)
 
-    _, _, meta = dispatch(x, ids, LOCAL_EXPERTS, group)
-    send = x.new_empty(sum(meta.send_sizes), H).normal_()
-    recv = x.new_empty(sum(meta.recv_sizes), H)
-    back = x.new_empty(sum(meta.send_sizes), H)
 
-    def raw():
-        dist.all_to_all_single(recv, send, list(meta.recv_sizes), list(meta.send_sizes), group=group)
-        dist.all_to_all_single(back, recv, list(meta.send_sizes), list(meta.recv_sizes), group=group)
+def bench_activation(R, I, dev, dt, timed, t, out, glu_form) -> None:
+    gate_up = torch.randn(R, 2 * I, device=dev, dtype=dt)
+    ref = experts_module._situ_glu_reference(*gate_up.chunk(2, -1), 4.0, 25.0).float()
+    for form in ("tanh", "sigmoid"):
+        experts_module.GLU_FORM = form
+        t[f"glu_{form}"] = timed(lambda: experts_module.situ_glu(*gate_up.chunk(2, -1), 4.0, 25.0))
+        diff = (experts_module.situ_glu(*gate_up.chunk(2, -1), 4.0, 25.0).float() - ref).abs()
+        out[f"glu_{form}_max_abs_diff"] = float(diff.max())
+    experts_module.GLU_FORM = glu_form
 
-    t_ours = timed(ours, args.warmup, args.reps)
-    t_raw = timed(raw, args.warmup, args.reps)
-    off_rank = sum(s for r, s in enumerate(meta.send_sizes) if r != rank) * H * 2
-    # where the time goes: the pieces of dispatch/combine outside the two exchanges
+
+def bench_dequant(E, I, H, dev, dt, timed, t, out) -> None:
+    packed = torch.randint(0, 256, (E, 2 * I, H // 2), device=dev, dtype=torch.uint8)
+    scale = torch.randint(118, 124, (E, 2 * I, H // 32), device=dev, dtype=torch.uint8)
+    t["dequant_gate_up_reference"] = timed(lambda: dequantize_mxfp4(packed, scale, dt, validate=False))
+    t["dequant_gate_up_fused"] = timed(lambda: dequantize_mxfp4_fused(packed, scale, dt))
+    out["dequant_fused_identical"] = bool(torch.equal(dequantize_mxfp4(packed, scale, dt, validate=False),
+                                                      dequantize_mxfp4_fused(packed, scale, dt)))
+
+
+def bench_exchange_parts(x, ids, weights, num_experts, K, timed, t) -> None:
+    """Where dispatch+combine spends its time outside the two exchanges."""
     ids_S = ids.reshape(-1)
+    order = torch.argsort(ids_S, stable=True)
+    back = x.new_empty(ids_S.numel(), x.shape[1]).normal_()
+    inverse = local.inverse_permutation(order)
 
     def counts():
-        c = torch.bincount(ids_S, minlength=LOCAL_EXPERTS * world).view(world, LOCAL_EXPERTS)
+        c = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, ids_S, torch.ones_like(ids_S))
         r = torch.empty_like(c)
-        dist.all_to_all_single(r, c, group=group)
-        torch.stack([c.sum(1), r.sum(1)]).tolist()
+        dist.all_to_all_single(r, c)
+        return torch.stack([c, r]).tolist()
 
-    def gather():
-        return x[torch.argsort(ids_S, stable=True) // TOP_K]
-
-    inverse = torch.empty_like(meta.order_S)
-    inverse[meta.order_S] = torch.arange(meta.order_S.numel(), device="cuda")
-
-    def unsort():
-        return back.index_select(0, inverse)
-
-    def weighted_sum():
-        return torch.bmm(weights.to(back.dtype).unsqueeze(1), back.view(tokens, TOP_K, H)).squeeze(1)
-
-    parts = {name: timed(fn, args.warmup, args.reps)
-             for name, fn in (("counts+sync", counts), ("sort+gather", gather), ("unsort", unsort),
-                              ("weighted sum (bmm)", weighted_sum))}
-    return {"tokens_per_rank": tokens, "dispatch_combine_ms": t_ours, "raw_all_to_all_ms": t_raw,
-            "raw_over_ours": t_raw / t_ours, "off_rank_bytes_each_way": off_rank,
-            "raw_GBps_each_way": off_rank / (t_raw / 2 / 1e3) / 1e9, "parts_ms": parts}
+    t["part_counts_sync"] = timed(counts)
+    t["part_sort_gather"] = timed(lambda: x.index_select(0, torch.argsort(ids_S, stable=True) // K))
+    t["part_gather_weighted_sum"] = timed(lambda: local.gather_weighted_sum(back, inverse, weights))
+    t["part_gather_weighted_sum_eager"] = timed(lambda: local._gather_weighted_sum(back, inverse, weights))
 
 
-def bench_experts(tokens: int, args) -> dict:
-    rows = tokens * TOP_K  # rows one rank receives on average
-    experts = KimiK3Experts(Config()).cuda().to(torch.bfloat16)
-    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, LOCAL_EXPERTS, (rows, 1), device="cuda")
-    ones = torch.ones(rows, 1, device="cuda", dtype=torch.bfloat16)
-    flops = 2 * rows * H * (2 * INTER) + 2 * rows * INTER * H
-    out = {"rows": rows}
-    # side by side: the eager fp32 SiTU-GLU, then the compiled (fused) one the module uses on CUDA
-    for name, fused in (("eager_glu", False), ("", True)):
-        experts_module.FUSE_ON_CUDA = fused
-        with torch.no_grad():
-            t = timed(lambda: experts(x, ids, ones), args.warmup + (3 if fused else 0), args.reps)
-        suffix = f"_{name}" if name else ""
-        out.update({f"experts_ms{suffix}": t, f"experts_TFLOPs{suffix}": flops / (t / 1e3) / 1e12})
-    gate_up = torch.randn(rows, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
+    W, rank = dist.get_world_size(), dist.get_rank()
+    H, I, E, K = args.hidden, args.inter, args.local_experts, args.top_k
+    dt = torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    x = torch.randn(tokens, H, device=dev, dtype=dt, generator=gen)
+    torch.manual_seed(7 + rank)  # each rank holds other experts
+    experts = KimiK3Experts(Config(args)).to(dev, dt)
+    w_router = torch.randn(W * E, H, device=dev, dtype=dt, generator=torch.Generator(device=dev).manual_seed(3))
+    ids, weights = router(x, w_router, K)
+    out: dict = {"tokens_per_rank": tokens}
+
+    # this rank's received rows, in dispatch order ([source][local expert] blocks) and expert-major
+    recv_x, recv_ids, meta = dispatch(x, ids, E, group)
+    R = recv_x.shape[0]
+    order_R, offs_E = local.sort_by_expert(recv_ids, E)
+    xs = recv_x.index_select(0, order_R)
+    src_R = torch.repeat_interleave(torch.arange(W, device=dev), torch.tensor(meta.recv_sizes, device=dev),
+                                    output_size=R)
+    counts_WE = torch.bincount(src_R * E + recv_ids, minlength=W * E).view(W, E).tolist()
+    segments = local.block_segments(counts_WE)
+    flops = 2 * R * H * 2 * I + 2 * R * I * H
+    out.update(rows=R, flops=flops)
+    w13, w2 = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    h = torch.randn(R, I, device=dev, dtype=dt)
+
     with torch.no_grad():
-        out["glu_ms_eager"] = timed(lambda: experts_module._situ_glu_reference(*gate_up.chunk(2, -1), 4.0, 25.0),
-                                    args.warmup, args.reps)
-        out["glu_ms_fused"] = timed(lambda: experts_module.situ_glu(*gate_up.chunk(2, -1), 4.0, 25.0),
-                                    args.warmup, args.reps)
-        ref = experts_module._situ_glu_reference(*gate_up.chunk(2, -1), 4.0, 25.0).float()
-        fused_out = experts_module.situ_glu(*gate_up.chunk(2, -1), 4.0, 25.0).float()
-        out["glu_fused_max_abs_diff"] = float((ref - fused_out).abs().max())
-        out["glu_fused_max_rel_diff"] = float(((ref - fused_out).abs() / ref.abs().clamp_min(1e-2)).max())
+        t = {}
+        # parts: bare GEMMs and the raw exchange of the same rows
+        t["bare_grouped_gemms"] = timed(lambda: (local.project(xs, w13, offs_E), local.project(h, w2, offs_E)))
+        t["bare_segment_gemms"] = timed(lambda: (local.project(recv_x, w13, segments=segments),
+                                                 local.project(h, w2, segments=segments)))
+        send = x.new_empty(sum(meta.send_sizes), H).normal_()
+        recv, back = x.new_empty(R, H), x.new_empty(sum(meta.send_sizes), H)
+
+        def raw():
+            dist.all_to_all_single(recv, send, list(meta.recv_sizes), list(meta.send_sizes), group=group)
+            dist.all_to_all_single(back, recv, list(meta.send_sizes), list(meta.recv_sizes), group=group)
+
+        t["raw_all_to_all"] = timed(raw)
+        # the same GEMM shapes as one dense matmul each (one expert's weights for all rows): what the grouped
+        # GEMMs would reach at this size and the clocks of a long run
+        t["dense_same_shapes"] = timed(lambda: (torch.mm(xs, w13[0].t()), torch.mm(h, w2[0].t())))
+        # the experts block
+        t["experts_segments"] = timed(lambda: experts.run_rows(recv_x, segments))
+        t["experts_grouped"] = timed(lambda: experts.run_rows(xs, offs_E=offs_E))
+        ones = torch.ones(R, device=dev, dtype=dt)
+        t["experts_transformers"] = timed(lambda: run_local_experts(experts, recv_x, recv_ids, ones))
+        bench_activation(R, I, dev, dt, timed, t, out, args.glu_form)
+        bench_dequant(E, I, H, dev, dt, timed, t, out)
+        for tile in args.row_tiles:
+            t[f"experts_segments_tile{tile}"] = timed(lambda: local.expert_mlp(
+                recv_x, w13, w2, experts._apply_gate, segments=segments, row_tile=tile))
+        bench_exchange_parts(x, ids, weights, W * E, K, timed, t)
+
+        # dispatch + combine alone (identity experts)
+        t["exchange_ours"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r, chunks=1))
+        for c in args.chunks[1:]:
+            t[f"exchange_ours_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
+                                                                    chunks=c))
+
+        def exchange_before():
+            rx, _, m = dispatch(x, ids, E, group)
+            return combine(rx, weights, m, group)
+
+        t["exchange_before"] = timed(exchange_before)
+
+        # the whole layer
+        def layer_before():
+            i, w = router(x, w_router, K)
+            rx, rids, m = dispatch(x, i, E, group)
+            y = run_local_experts(experts, rx, rids, torch.ones(rx.shape[0], device=dev, dtype=dt))
+            return combine(y, w, m, group)
+
+        def layer_ours(c):
+            i, w = router(x, w_router, K)
+            return overlapped_moe(x, i, w, E, group, experts.run_rows, chunks=c)
+
+        t["layer_before"] = timed(layer_before)
+        for c in args.chunks:
+            t[f"layer_ours_c{c}"] = timed(lambda: layer_ours(c))
+        y_before, y_ours = layer_before().float(), layer_ours(args.chunks[-1]).float()
+        out["layer_max_abs_diff"] = float((y_ours - y_before).abs().max())
+        out["layer_ref_max_abs"] = float(y_before.abs().max())
+    out["ms"] = t
     return out
+
+
+def summarize(run: dict, matmul_tflops: float, chunks) -> dict:
+    t = run["ms"]
+    parts = t["bare_grouped_gemms"] + t["raw_all_to_all"]
+    best_c = min(chunks, key=lambda c: t[f"layer_ours_c{c}"])
+    blocks = ("dense_same_shapes", "bare_grouped_gemms", "bare_segment_gemms", "experts_segments", "experts_grouped",
+              "experts_transformers", *(k for k in t if k.startswith("experts_segments_tile")))
+    tflops = {k: run["flops"] / (t[k] / 1e3) / 1e12 for k in blocks}
+    return {"parts_ms": parts, "best_chunks": best_c,
+            "layer_ours_over_parts": t[f"layer_ours_c{best_c}"] / parts,
+            "layer_before_over_parts": t["layer_before"] / parts,
+            **{f"layer_ours_c{c}_over_parts": t[f"layer_ours_c{c}"] / parts for c in chunks},
+            "TFLOPs": tflops, **{f"{k}_over_matmul": v / matmul_tflops for k, v in tflops.items()},
+            "raw_over_exchange_ours": t["raw_all_to_all"] / min(v for k, v in t.items()
+                                                                 if k.startswith("exchange_ours")),
+            "experts_segments_over_dense_same_shapes": t["dense_same_shapes"] / t["experts_segments"],
+            "raw_over_exchange_before": t["raw_all_to_all"] / t["exchange_before"],
+            "dequant_fused_over_bare_gemms": t["dequant_gate_up_fused"] / t["bare_grouped_gemms"]}
+
+
+def matmul_rate(n: int, dev: str, timed) -> float:
+    a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / (timed(lambda: a @ b) / 1e3) / 1e12
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--hidden", type=int, default=3584)
+    parser.add_argument("--inter", type=int, default=3072)
+    parser.add_argument("--local-experts", type=int, default=14)
+    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--row-tiles", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--glu-form", default="tanh", choices=["tanh", "sigmoid"])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    group = dist.group.WORLD
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if dev == "cuda" else "gloo")
+    timed = make_timer(dev, args.warmup, args.reps)
+    n = 8192 if dev == "cuda" else 512
     with torch.no_grad():
-        t_mm = timed(lambda: a @ b, args.warmup, args.reps)
-    matmul_tflops = 2 * 8192**3 / (t_mm / 1e3) / 1e12
-    results = {"gpu": torch.cuda.get_device_name(), "world": dist.get_world_size(), "torch": torch.__version__,
-               "matmul_8192_bf16_TFLOPs": matmul_tflops, "runs": []}
+        matmul_tflops = matmul_rate(n, dev, timed)
+    results = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "world": dist.get_world_size(),
+               "torch": torch.__version__, f"matmul_{n}_bf16_TFLOPs": matmul_tflops, "args": vars(args), "runs": []}
     for tokens in args.tokens:
-        run = bench_exchange(tokens, args, group)
-        run.update(bench_experts(tokens, args))
-        run["experts_over_matmul"] = run["experts_TFLOPs"] / matmul_tflops
+        run = bench_tokens(tokens, args, dist.group.WORLD, timed, dev)
+        run["summary"] = summarize(run, matmul_tflops, args.chunks)
         results["runs"].append(run)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_ep.json").write_text(json.dumps(results, indent=2))
-        print(f"{results['gpu']} x{results['world']}, torch {results['torch']}, "
-              f"bf16 matmul 8192^3: {matmul_tflops:.0f} TFLOP/s")
-        print("tokens/rank | dispatch+combine ms | raw a2a ms | raw/ours | experts ms | experts TFLOP/s | /matmul")
+        print(f"{results['gpu']} x{results['world']}, torch {results['torch']}, bf16 matmul {n}^3: "
+              f"{matmul_tflops:.0f} TFLOP/s")
         for r in results["runs"]:
-            print(f"{r['tokens_per_rank']:>11} | {r['dispatch_combine_ms']:>19.2f} | {r['raw_all_to_all_ms']:>10.2f} |"
-                  f" {r['raw_over_ours']:>8.2f} | {r['experts_ms']:>10.2f} | {r['experts_TFLOPs']:>15.0f} |"
-                  f" {r['experts_over_matmul']:>7.2f}")
-        for r in results["runs"]:
-            print(f"{r['tokens_per_rank']} tokens: experts with eager fp32 SiTU-GLU {r['experts_ms_eager_glu']:.2f} ms "
-                  f"({r['experts_TFLOPs_eager_glu']:.0f} TFLOP/s) vs fused {r['experts_ms']:.2f} ms; SiTU-GLU alone "
-                  f"{r['glu_ms_eager']:.2f} -> {r['glu_ms_fused']:.2f} ms, "
-                  f"max |diff| {r['glu_fused_max_abs_diff']:.2e}")
-        for r in results["runs"]:
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in r["parts_ms"].items())
-            print(f"{r['tokens_per_rank']} tokens: raw a2a {r['raw_GBps_each_way']:.0f} GB/s off-rank each way; "
-                  f"parts (ms): {parts}")
+            t, s = r["ms"], r["summary"]
+            print(f"--- {r['tokens_per_rank']} tokens/rank, {r['rows']} rows received")
+            print("  ms: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+            print(f"  layer/parts: ours {s['layer_ours_over_parts']:.2f} (chunks {s['best_chunks']}; "
+                  + ", ".join(f"c{c} {s[f'layer_ours_c{c}_over_parts']:.2f}" for c in args.chunks)
+                  + f"), before {s['layer_before_over_parts']:.2f}; parts {s['parts_ms']:.2f} ms")
+            print("  experts TFLOP/s (/matmul): " + ", ".join(
+                f"{k} {v:.0f} ({s[f'{k}_over_matmul']:.2f})" for k, v in s["TFLOPs"].items()))
+            print(f"  raw/dispatch+combine: ours {s['raw_over_exchange_ours']:.2f}, before "
+                  f"{s['raw_over_exchange_before']:.2f}; dequant fused/bare GEMMs "
+                  f"{s['dequant_fused_over_bare_gemms']:.3f} (identical: {r['dequant_fused_identical']}); "
+                  f"glu max|diff| tanh {r['glu_tanh_max_abs_diff']:.2e} sigmoid {r['glu_sigmoid_max_abs_diff']:.2e}")
+            print(f"  layer ours vs before max|diff| {r['layer_max_abs_diff']:.3e} "
+                  f"(max |y| {r['layer_ref_max_abs']:.3e})")
     dist.destroy_process_group()
 
 

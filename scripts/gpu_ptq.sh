@@ -15,13 +15,14 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.
 [ -f /tmp/mid/config.json ] || python3 -m modelopt_ext make-tiny kimi_k3 /tmp/mid --force --num-layers 4 --hidden-size 4096 --latent-size 3072 \
   --moe-intermediate-size 3584 --num-experts 28 --top-k 8 --vocab-size 8192
 # The embedded calibration set is a few thousand tokens: repeat the stand-in's corpus (shuffled lines) so
-# every rank gets full 2048-token blocks.
+# every rank gets full 2048-token blocks (60 copies: about 172k tokens; CORPUS_COPIES=800 for 2M).
 python3 - <<'PY'
+import os
 import random
 lines = [l for l in open("modelopt_ext/models/kimi_k3/standin/corpus.txt").read().splitlines() if l.strip()]
 rng = random.Random(0)
 with open("/tmp/calib.txt", "w") as f:
-    for _ in range(60):
+    for _ in range(int(os.environ.get("CORPUS_COPIES", "60"))):
         rng.shuffle(lines)
         f.write("\n".join(lines) + "\n\n")
 PY
