@@ -69,7 +69,9 @@ def dispatch(
     ids_S = topk_ids_TK.reshape(-1)
     order_S = torch.argsort(ids_S, stable=True)
     send_x = x_TH[order_S // K]
-    counts_WE = torch.bincount(ids_S, minlength=W * num_local_experts).view(W, num_local_experts)
+    # scatter-add, not bincount: CUDA's bincount reads the ids' extremes back to the host (two more syncs)
+    counts_WE = torch.zeros(W * num_local_experts, dtype=torch.int64, device=ids_S.device)
+    counts_WE = counts_WE.scatter_add_(0, ids_S, torch.ones_like(ids_S)).view(W, num_local_experts)
     recv_counts_WE = torch.empty_like(counts_WE)
     dist.all_to_all_single(recv_counts_WE, counts_WE, group=group)
     sizes = torch.stack([counts_WE.sum(dim=1), recv_counts_WE.sum(dim=1)]).tolist()  # the one host sync

@@ -1,7 +1,8 @@
 """Expert coverage during calibration: how many routed tokens each expert of each MoE layer saw.
 
 Counts are taken from the routers' outputs (global expert ids, before any EP dispatch), accumulated on the
-device with `bincount` (no host sync per step) and, under torch.distributed, summed over the ranks when the
+device with a scatter-add into a fixed-size tensor (no host sync per step; CUDA's `bincount` reads the ids'
+minimum and maximum back to the host) and, under torch.distributed, summed over the ranks when the
 recording ends, so every rank holds the global counts. An expert with zero tokens got no activation
 statistics: calibration policies and the report use `uncovered()`.
 
@@ -30,8 +31,10 @@ class Coverage:
     counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # router name -> int64 [E]
 
     def add(self, router: str, topk_ids_TK: torch.Tensor) -> None:
-        c = torch.bincount(topk_ids_TK.reshape(-1), minlength=self.num_experts)
-        self.counts[router] = self.counts[router] + c if router in self.counts else c
+        ids = topk_ids_TK.reshape(-1)
+        if router not in self.counts:
+            self.counts[router] = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        self.counts[router].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
 
     def all_reduce(self) -> None:
         """Sum counts over the ranks (collective; same routers on every rank)."""
