@@ -337,3 +337,28 @@ def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int]):
             got = overlapped_moe(x, ids, w, E, group, run_rows, chunks=c)
             identical[str(c)] = bool(torch.equal(got, want))
     return {"identical": identical, "segments_cover_rows": seen["ok"], "shapes_ok": tuple(want.shape) == (tokens, H)}
+
+
+def overlap_path_logits(rank: int, world_size: int, ckpt: str):
+    """Logits of an EP model whose `torch_a2a` takes the GPU inference path (`ep.overlap` + `run_rows`), forced
+    here on the CPU by making `fast_path` true, against the usual dispatch/combine path of the same model."""
+    from modelopt_ext.models.kimi_k3 import experts as experts_module
+
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32}
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, **kwargs)
+    ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + rank))
+    taken = {"n": 0}
+
+    def forced(self, hidden_states):
+        taken["n"] += 1
+        return not torch.is_grad_enabled() and self._quantizer_free()
+
+    with torch.no_grad():
+        usual = model(input_ids=ids, use_cache=False).logits
+        original = experts_module._FusedExpertsBase.fast_path
+        experts_module._FusedExpertsBase.fast_path = forced
+        try:
+            overlapped = model(input_ids=ids, use_cache=False).logits
+        finally:
+            experts_module._FusedExpertsBase.fast_path = original
+    return {"usual": usual, "overlapped": overlapped, "fast_path_calls": taken["n"]}

@@ -21,3 +21,13 @@ def test_overlapped_moe_refuses_autograd():
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="inference-only"):
         overlapped_moe(x, torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2), 2, None, lambda r, s: r)
+
+
+def test_torch_a2a_inference_path_gives_the_usual_logits(tiny_ckpt):
+    """The model-level wiring of the GPU inference path (backend -> overlapped_moe -> experts.run_rows on the EP
+    shards), forced on CPU gloo ranks: same logits as dispatch/combine up to fp32 GEMM rounding."""
+    results = run_ranks("modelopt_ext.testing.ep_bodies:overlap_path_logits", 2, {"ckpt": str(tiny_ckpt)},
+                        timeout_s=240)
+    for rank, r in enumerate(results):
+        assert r["fast_path_calls"] > 0, f"rank {rank}: the backend never asked for the fast path"
+        torch.testing.assert_close(r["overlapped"], r["usual"], rtol=1e-4, atol=5e-5)  # ep_smoke's bound
