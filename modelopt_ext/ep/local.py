@@ -4,7 +4,7 @@ Shapes: S rows, E experts, L the experts' model width, I the expert width, T tok
 
 Rows reach the experts grouped by expert, in one of two layouts:
 - `offs_E` (device int32, inclusive cumulative row counts): one `torch._grouped_mm` per projection, no host
-  sync (the sync-free path);
+  sync on GPUs (the sync-free path; on CPUs transformers' dispatcher, which may loop);
 - `segments` (host tuples `(expert, first_row, rows)`, known when the EP exchange already brought its split
   sizes to the host): one cuBLAS GEMM per segment written into a view of one output, no gather needed when
   each segment is a contiguous block of the received rows.
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers.integrations.moe import _grouped_mm
 
 Segment = tuple[int, int, int]  # (expert, first row, rows)
 
@@ -54,7 +55,10 @@ def project(x_SL: torch.Tensor, w_ENL: torch.Tensor, offs_E: torch.Tensor | None
         return _segment_mm(x_SL, w_ENL, segments)
     if offs_E is None:
         raise ValueError("project needs offs_E (grouped rows) or segments (host row blocks)")
-    return torch._grouped_mm(x_SL, w_ENL.transpose(-2, -1), offs=offs_E)
+    if x_SL.is_cuda:  # the call measured sync-free (scripts/gpu_check_sync.py)
+        return torch._grouped_mm(x_SL, w_ENL.transpose(-2, -1), offs=offs_E)
+    # elsewhere transformers' dispatcher: torch's kernel where it runs (CPU from torch 2.9, aligned), or a loop
+    return _grouped_mm(x_SL, w_ENL.transpose(-2, -1), offs_E)
 
 
 # Rows per tile on the segment path (0: whole segments). With tiles, each tile's gate/up output is consumed by
