@@ -1,5 +1,7 @@
 """modelopt_ext.progress: progress bars driven by library hooks, and the figures summaries show."""
 
+import re
+
 from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
 
 
@@ -19,7 +21,9 @@ def test_bar_without_total_starts_when_the_total_is_known(capsys):
     bar(3, 3)
     bar.close()
     err = capsys.readouterr().err
-    assert "3/3" in err and "0unit" not in err
+    assert "3/3" in err
+    # a bar without a total would print "export: 0unit [00:00, ?unit/s]"; the rate ("...60unit/s") may end in 0
+    assert not re.search(r"export: \d+unit \[", err), err
 
 
 def test_disabled_bar_writes_nothing(capsys):
