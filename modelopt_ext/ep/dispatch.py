@@ -49,6 +49,12 @@ def _exchange(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: 
     return out
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: how many of `ids` (int64, in [0, n)) equal each value, on ids' device. A scatter-add into a
+    fixed-size tensor, not `bincount`: CUDA's bincount reads the ids' minimum and maximum back to the host."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def dispatch(
     x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, num_local_experts: int, group
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
@@ -69,9 +75,7 @@ def dispatch(
     ids_S = topk_ids_TK.reshape(-1)
     order_S = torch.argsort(ids_S, stable=True)
     send_x = x_TH[order_S // K]
-    # scatter-add, not bincount: CUDA's bincount reads the ids' extremes back to the host (two more syncs)
-    counts_WE = torch.zeros(W * num_local_experts, dtype=torch.int64, device=ids_S.device)
-    counts_WE = counts_WE.scatter_add_(0, ids_S, torch.ones_like(ids_S)).view(W, num_local_experts)
+    counts_WE = count_ids(ids_S, W * num_local_experts).view(W, num_local_experts)
     recv_counts_WE = torch.empty_like(counts_WE)
     dist.all_to_all_single(recv_counts_WE, counts_WE, group=group)
     sizes = torch.stack([counts_WE.sum(dim=1), recv_counts_WE.sum(dim=1)]).tolist()  # the one host sync

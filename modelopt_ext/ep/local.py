@@ -18,19 +18,19 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.integrations.moe import _grouped_mm
 
+from .dispatch import count_ids, weighted_sum
+
 Segment = tuple[int, int, int]  # (expert, first row, rows)
 
 
 def sort_by_expert(ids_S: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Order of the S slots grouped by expert (stable) and the inclusive row offsets per expert.
 
-    Ids equal to `num_experts` (the EP sentinel) sort last and fall outside every group. No host sync: the
-    counts are a scatter-add into a fixed-size tensor (`bincount` would read the maximum on the host).
+    Ids equal to `num_experts` (the EP sentinel) sort last and fall outside every group. No host sync
+    (`dispatch.count_ids`).
     """
     order_S = torch.argsort(ids_S, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids_S.device)
-    counts.scatter_add_(0, ids_S, torch.ones_like(ids_S, dtype=torch.int32))
-    return order_S, torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)
+    return order_S, torch.cumsum(count_ids(ids_S, num_experts + 1)[:num_experts], 0, dtype=torch.int32)
 
 
 def inverse_permutation(order_S: torch.Tensor) -> torch.Tensor:
@@ -100,8 +100,7 @@ def block_segments(counts_WE: Sequence[Sequence[int]], start: int = 0) -> list[S
 
 def _gather_weighted_sum(back_SH: torch.Tensor, inverse_S: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     T, K = weights_TK.shape
-    slots_TKH = back_SH.index_select(0, inverse_S).view(T, K, back_SH.shape[1])
-    return (slots_TKH.float() * weights_TK.float().unsqueeze(-1)).sum(dim=1).to(back_SH.dtype)
+    return weighted_sum(back_SH.index_select(0, inverse_S).view(T, K, back_SH.shape[1]), weights_TK).to(back_SH.dtype)
 
 
 def gather_weighted_sum(back_SH: torch.Tensor, inverse_S: torch.Tensor, weights_TK: torch.Tensor,

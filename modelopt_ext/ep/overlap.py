@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from modelopt_ext.faults import mark_exchange
 
+from .dispatch import count_ids
 from .local import Segment, block_segments, gather_weighted_sum, inverse_permutation
 
 # Chunks of the rank's tokens (C above). 1 exchanges everything, then computes, then exchanges back.
@@ -57,9 +58,7 @@ def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.T
         raise ValueError(f"chunks must be >= 1, got {C}")
     key_S = _chunk_keys(ids_TK, C, W * E)
     order_S = torch.argsort(key_S, stable=True)
-    counts = torch.zeros(C * W * E, dtype=torch.int64, device=x_TH.device)
-    counts.scatter_add_(0, key_S, torch.ones_like(key_S))
-    send_WCE = counts.view(C, W, E).transpose(0, 1).contiguous()
+    send_WCE = count_ids(key_S, C * W * E).view(C, W, E).transpose(0, 1).contiguous()
     recv_WCE = torch.empty_like(send_WCE)
     dist.all_to_all_single(recv_WCE, send_WCE, group=group)
     send_host, recv_host = torch.stack([send_WCE, recv_WCE]).tolist()  # the one host sync

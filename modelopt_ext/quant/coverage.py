@@ -1,10 +1,9 @@
 """Expert coverage during calibration: how many routed tokens each expert of each MoE layer saw.
 
 Counts are taken from the routers' outputs (global expert ids, before any EP dispatch), accumulated on the
-device with a scatter-add into a fixed-size tensor (no host sync per step; CUDA's `bincount` reads the ids'
-minimum and maximum back to the host) and, under torch.distributed, summed over the ranks when the
-recording ends, so every rank holds the global counts. An expert with zero tokens got no activation
-statistics: calibration policies and the report use `uncovered()`.
+device with `ep.dispatch.count_ids` (no host sync per step, unlike CUDA's `bincount`) and, under
+torch.distributed, summed over the ranks when the recording ends, so every rank holds the global counts. An
+expert with zero tokens got no activation statistics: calibration policies and the report use `uncovered()`.
 
 Shapes: T routed tokens in one forward, K top-k, E experts of a layer.
 """
@@ -22,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from modelopt_ext.ep.dispatch import count_ids
+
 
 @dataclasses.dataclass
 class Coverage:
@@ -31,10 +32,8 @@ class Coverage:
     counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # router name -> int64 [E]
 
     def add(self, router: str, topk_ids_TK: torch.Tensor) -> None:
-        ids = topk_ids_TK.reshape(-1)
-        if router not in self.counts:
-            self.counts[router] = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
-        self.counts[router].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
+        c = count_ids(topk_ids_TK.reshape(-1), self.num_experts)
+        self.counts[router] = self.counts[router] + c if router in self.counts else c
 
     def all_reduce(self) -> None:
         """Sum counts over the ranks (collective; same routers on every rank)."""

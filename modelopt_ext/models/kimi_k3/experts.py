@@ -63,30 +63,20 @@ def _situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linea
     return act.to(gate.dtype)
 
 
-def _situ_glu_sigmoid_form(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """The same function with tanh(z) = 2 sigmoid(2z) - 1 (exp-based; cheaper than tanh in a GPU kernel)."""
-    g, u = gate.float(), up.float()
-    gate_part = beta * (2 * torch.sigmoid(g * (2 / beta)) - 1) * torch.sigmoid(g)
-    act = gate_part * (linear_beta * (2 * torch.sigmoid(u * (2 / linear_beta)) - 1))
-    return act.to(gate.dtype)
-
-
 # On CUDA the activation is one compiled (Triton) kernel: it reads the 16-bit gate/up halves once and writes
 # the 16-bit product, with the fp32 arithmetic in registers, instead of ~10 elementwise passes over fp32
 # temporaries (measured in docs/performance.md). `FUSE_ON_CUDA = False` restores the eager reference.
 FUSE_ON_CUDA = True
-# Which formula the compiled kernel computes: "tanh" (the reference) or "sigmoid" (`_situ_glu_sigmoid_form`).
-GLU_FORM = "tanh"
-_fused_situ_glu: dict[str, object] = {}
+_fused_situ_glu = None
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-GLU in fp32, cast back: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`."""
+    global _fused_situ_glu
     if FUSE_ON_CUDA and gate.is_cuda and not torch.compiler.is_compiling():
-        if GLU_FORM not in _fused_situ_glu:
-            fn = _situ_glu_sigmoid_form if GLU_FORM == "sigmoid" else _situ_glu_reference
-            _fused_situ_glu[GLU_FORM] = torch.compile(fn, dynamic=True, fullgraph=True)
-        return _fused_situ_glu[GLU_FORM](gate, up, beta, linear_beta)
+        if _fused_situ_glu is None:
+            _fused_situ_glu = torch.compile(_situ_glu_reference, dynamic=True, fullgraph=True)
+        return _fused_situ_glu(gate, up, beta, linear_beta)
     return _situ_glu_reference(gate, up, beta, linear_beta)
 
 
@@ -125,17 +115,21 @@ class _FusedExpertsBase(nn.Module):
             return expert_mlp(x_SL, _local(self.gate_up_proj), _local(self.down_proj), self._apply_gate, offs_E,
                               segments)
 
+    def _grouped_rows(self, hidden_states, top_k_index):
+        """The K slots of the T tokens sorted by expert (no host sync): order_S, offs_E, valid_S1 (False for
+        EP sentinel slots, id E, which sort after every group) and the rows x_SL."""
+        K = top_k_index.shape[1]
+        ids_S = top_k_index.reshape(-1)
+        order_S, offs_E = sort_by_expert(ids_S, self.num_experts)
+        valid_S1 = (ids_S.index_select(0, order_S) < self.num_experts).unsqueeze(-1)
+        return order_S, offs_E, valid_S1, hidden_states.index_select(0, order_S // K)
+
     def _grouped_forward(self, hidden_states, top_k_index, top_k_weights):
         """One process on a GPU, no host sync: slots sorted by expert, two grouped GEMMs, the activation once,
         then each token's K slots gathered, weighted and summed in one pass. Sentinel slots (id E) sort
         after every group; their rows are zeroed before the sum."""
-        T, K = top_k_index.shape
-        E = self.num_experts
-        ids_S = top_k_index.reshape(-1)
-        order_S, offs_E = sort_by_expert(ids_S, E)
-        x_SL = hidden_states.index_select(0, order_S // K)
-        y_SL = self.run_rows(x_SL, offs_E=offs_E)
-        y_SL = torch.where((ids_S.index_select(0, order_S) < E).unsqueeze(-1), y_SL, 0)
+        order_S, offs_E, valid_S1, x_SL = self._grouped_rows(hidden_states, top_k_index)
+        y_SL = torch.where(valid_S1, self.run_rows(x_SL, offs_E=offs_E), 0)
         return gather_weighted_sum(y_SL, inverse_permutation(order_S), top_k_weights)
 
     def _collecting_statistics(self) -> bool:
@@ -152,12 +146,7 @@ class _FusedExpertsBase(nn.Module):
         projection's (shared) input quantizer shown all its rows at once. Gives the max statistics of the
         eager path (the max over the same rows) without its per-expert loop and host syncs. Rows of the EP
         sentinel (id E) are masked out of the statistics and the result."""
-        T, K = top_k_index.shape
-        E = self.num_experts
-        ids_S = top_k_index.reshape(-1)
-        order_S, offs_E = sort_by_expert(ids_S, E)
-        valid_S1 = (ids_S.index_select(0, order_S) < E).unsqueeze(-1)
-        x_SL = hidden_states.index_select(0, order_S // K)
+        order_S, offs_E, valid_S1, x_SL = self._grouped_rows(hidden_states, top_k_index)
         self.gate_up_proj_input_quantizer(torch.where(valid_S1, x_SL, 0))
         with self.materialized(hidden_states.dtype):
             gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
