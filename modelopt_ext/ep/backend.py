@@ -9,6 +9,8 @@ local expert ids.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
@@ -24,8 +26,9 @@ def run_local_experts(experts: torch.nn.Module, x_RH, ids_R, weights_R) -> torch
 
 
 class TorchA2AEP(EPImplementation):
-    """Dispatch -> local experts (grouped GEMM or the experts' own implementation) -> combine; on GPUs for
-    plain inference, the overlapped pipeline of `ep.overlap` when the experts offer `fast_path`/`run_rows`."""
+    """Dispatch -> local experts (grouped GEMM or the experts' own implementation) -> combine; the
+    overlapped pipeline of `ep.overlap` when the experts' `pipeline_rows` offers a row function (GPU inference,
+    max calibration)."""
 
     def __init__(self, experts, ep_mesh, tp_mesh):
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -33,12 +36,16 @@ class TorchA2AEP(EPImplementation):
         self.group = ep_mesh.get_group()
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        fast_path = getattr(self.experts, "fast_path", None)
-        if fast_path is not None and fast_path(hidden_states):
-            # Plain GPU inference: exchange overlapped with the local experts, which run in place on the
-            # received blocks (ep.overlap); calibration and autograd take the path below.
-            return overlapped_moe(hidden_states, top_k_index, top_k_weights, self.num_local_experts, self.group,
-                                  self.experts.run_rows)
+        pipeline_rows = getattr(self.experts, "pipeline_rows", None)
+        run_rows = pipeline_rows(hidden_states) if pipeline_rows is not None else None
+        if run_rows is not None:
+            # Plain GPU inference or max calibration: the exchange overlapped with the local experts, which run
+            # in place on the received blocks (ep.overlap), weights materialized once for all chunks. Autograd
+            # and quantizing forwards take the path below (the experts' class forward).
+            materialized = getattr(self.experts, "materialized", None)
+            with materialized(hidden_states.dtype) if materialized is not None else contextlib.nullcontext():
+                return overlapped_moe(hidden_states, top_k_index, top_k_weights, self.num_local_experts,
+                                      self.group, run_rows)
         recv_x, recv_ids, meta = dispatch(hidden_states, top_k_index, self.num_local_experts, self.group)
         ones = torch.ones(recv_ids.shape[0], dtype=recv_x.dtype, device=recv_x.device)
         if recv_x.shape[0] == 0:

@@ -22,6 +22,18 @@ from .dispatch import count_ids, weighted_sum
 
 Segment = tuple[int, int, int]  # (expert, first row, rows)
 
+# CPU BLAS (MKL) computes GEMMs of fewer than 12 rows with other kernels that round differently, so an expert
+# that receives few tokens would give a token a result that depends on how many tokens share its expert (and
+# so on the EP degree and on how the exchange cut the rows into blocks). Padding to MIN_ROWS zero rows keeps
+# each row's result independent of the others; zero rows do not move max calibration statistics.
+MIN_ROWS = 16
+
+
+def pad_rows(x_ML: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to MIN_ROWS rows (unchanged when it has that many)."""
+    M = x_ML.shape[0]
+    return x_ML if M >= MIN_ROWS else torch.cat([x_ML, x_ML.new_zeros(MIN_ROWS - M, x_ML.shape[1])])
+
 
 def sort_by_expert(ids_S: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Order of the S slots grouped by expert (stable) and the inclusive row offsets per expert.
@@ -42,8 +54,12 @@ def inverse_permutation(order_S: torch.Tensor) -> torch.Tensor:
 def _segment_mm(x_SL: torch.Tensor, w_ENL: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
     out = x_SL.new_zeros(x_SL.shape[0], w_ENL.shape[1])
     for e, start, rows in segments:
-        if rows:
+        if not rows:
+            continue
+        if x_SL.is_cuda or rows >= MIN_ROWS:
             torch.mm(x_SL[start:start + rows], w_ENL[e].t(), out=out[start:start + rows])
+        else:  # CPU: each row's result independent of the block size (see MIN_ROWS)
+            out[start:start + rows] = torch.mm(pad_rows(x_SL[start:start + rows]), w_ENL[e].t())[:rows]
     return out
 
 

@@ -22,13 +22,19 @@ def calibration_batches(rank: int, world_size: int, count: int = CALIB_BATCHES) 
 
 def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str | None = None,
                          force_experts: list[int] | None = None, fail_on_rank: int | None = None,
-                         batches: int = CALIB_BATCHES):
-    """Load (EP when `dense` is given), calibrate `recipe` (max) on this rank's batches, export to `out`."""
+                         batches: int = CALIB_BATCHES, grouped_statistics: str | None = None):
+    """Load (EP when `dense` is given), calibrate `recipe` (max) on this rank's batches, export to `out`.
+    `grouped_statistics` sets `experts.GROUPED_STATISTICS` in this process ("always": the grouped statistics
+    path, and under EP the overlapped pipeline with `run_rows_collecting`, on the CPU)."""
     from modelopt_ext.export.writer import export_checkpoint
     from modelopt_ext.families import families
     from modelopt_ext.quant.calibrate import calibrate
     from modelopt_ext.quant.recipes import quant_config
 
+    if grouped_statistics is not None:
+        from modelopt_ext.models.kimi_k3 import experts
+
+        experts.GROUPED_STATISTICS = grouped_statistics
     spec = families()["kimi_k3"]
     kwargs = {"trust_remote_code": True, "dtype": torch.float32}
     if dense is not None:
@@ -42,6 +48,25 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
         _fail_during_export(result.model, fail_on_rank == rank)
     return export_checkpoint(result.model, out, source_dir=ckpt, overwrite=True,
                              write_extra=lambda staging: result.coverage.write_json(staging / "coverage.json"))
+
+
+def pipelined_calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str):
+    """`calibrate_and_export` under EP with the grouped statistics path forced on the CPU, counting the calls
+    of the overlapped pipeline's statistics-collecting row function on this rank."""
+    from modelopt_ext.models.kimi_k3 import experts
+
+    calls, original = [], experts._FusedExpertsBase.run_rows_collecting
+
+    def counting(self, x_SL, segments=None, offs_E=None, valid_S1=None):
+        calls.append(segments is not None)  # True: called by the pipeline on received blocks
+        return original(self, x_SL, segments, offs_E, valid_S1)
+
+    experts._FusedExpertsBase.run_rows_collecting = counting
+    try:
+        result = calibrate_and_export(rank, world_size, ckpt, out, recipe, dense, grouped_statistics="always")
+    finally:
+        experts._FusedExpertsBase.run_rows_collecting = original
+    return {"export": result, "pipelined_calls": sum(calls), "other_calls": len(calls) - sum(calls)}
 
 
 def _fail_during_export(model, fail: bool) -> None:

@@ -80,6 +80,20 @@ def test_ep_export_is_byte_identical_to_single_process(single, source, tmp_path,
     assert sum(results[0].bytes_written) == results[0].total_bytes
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pipelined_calibration_exports_identically(single, source, tmp_path, world_size):
+    """Max calibration through the overlapped EP pipeline (`run_rows_collecting` on the received blocks, the
+    GPU default, forced here on gloo ranks) exports the bytes of the one-process eager per-expert path."""
+    out = tmp_path / "export"
+    results = run_ranks("modelopt_ext.testing.export_bodies:pipelined_calibrate_and_export", world_size,
+                        {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": "replicate"},
+                        timeout_s=400)
+    _assert_identical(single[PRODUCTION], out)
+    assert all(b > 0 for b in results[0]["export"].bytes_written)
+    for r in results:  # every MoE forward of every rank went through the pipeline (2 chunks each)
+        assert r["pipelined_calls"] > 0 and r["other_calls"] == 0, r
+
+
 def test_uncovered_experts_export_identically(source, tmp_path):
     """Routing forced to experts 0..3 (rank 0's at EP2): the others get no token and take their input scale
     from the layer's shared input quantizer; EP2 and one process still agree byte for byte."""

@@ -28,7 +28,15 @@ from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import use_experts_implementation
 
 from modelopt_ext.ep.dispatch import weighted_sum
-from modelopt_ext.ep.local import Segment, expert_mlp, gather_weighted_sum, inverse_permutation, project, sort_by_expert
+from modelopt_ext.ep.local import (
+    Segment,
+    expert_mlp,
+    gather_weighted_sum,
+    inverse_permutation,
+    pad_rows,
+    project,
+    sort_by_expert,
+)
 from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4, dequantize_mxfp4_fused
 
 
@@ -36,25 +44,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-# CPU BLAS (MKL) computes GEMMs of fewer than 12 rows with other kernels that round differently, so an expert
-# that receives few tokens would give a token a result that depends on how many tokens share its expert (and
-# so on the EP degree). Padding to MIN_ROWS zero rows keeps each token's result independent of the others;
-# zero rows do not move max calibration statistics.
-MIN_ROWS = 16
-
 # While ModelOpt max-calibrates (its quantizers only collect statistics), CUDA runs the experts as grouped
-# GEMMs with each projection's input quantizer shown all rows at once (`_grouped_statistics_forward`) instead
-# of ModelOpt's per-expert F.linear loop. "cuda" (default), "always" (tests on CPU), "never".
+# GEMMs with each projection's input quantizer shown all rows at once (`_grouped_statistics_forward`, and under
+# EP `run_rows_collecting` inside the overlapped exchange) instead of ModelOpt's per-expert F.linear loop.
+# "cuda" (default), "always" (tests on CPU), "never".
 GROUPED_STATISTICS = "cuda"
 
 # Plain inference on CUDA (no quantizers, no autograd, bf16) runs `_grouped_forward`: sync-free grouped GEMMs
 # instead of the per-expert loop. False keeps the eager reference everywhere.
 FAST_ON_CUDA = True
-
-
-def _pad_rows(x_ML: torch.Tensor) -> torch.Tensor:
-    M = x_ML.shape[0]
-    return x_ML if M >= MIN_ROWS else torch.cat([x_ML, x_ML.new_zeros(MIN_ROWS - M, x_ML.shape[1])])
 
 
 def _situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -115,6 +113,30 @@ class _FusedExpertsBase(nn.Module):
             return expert_mlp(x_SL, _local(self.gate_up_proj), _local(self.down_proj), self._apply_gate, offs_E,
                               segments)
 
+    def run_rows_collecting(self, x_SL: torch.Tensor, segments: list[Segment] | None = None,
+                            offs_E: torch.Tensor | None = None, valid_S1: torch.Tensor | None = None) -> torch.Tensor:
+        """`run_rows` while ModelOpt max-calibrates: each projection's (shared) input quantizer is shown all its
+        rows at once; rows where `valid_S1` is False (EP sentinel slots) are zeroed before each quantizer sees
+        them and in the result (zeros do not move a max)."""
+        def masked(t):
+            return t if valid_S1 is None else torch.where(valid_S1, t, 0)
+
+        with self.materialized(x_SL.dtype):
+            self.gate_up_proj_input_quantizer(masked(x_SL))
+            h_SI = masked(self._apply_gate(project(x_SL, _local(self.gate_up_proj), offs_E, segments)))
+            self.down_proj_input_quantizer(h_SI)
+            return masked(project(h_SI, _local(self.down_proj), offs_E, segments))
+
+    def pipeline_rows(self, hidden_states: torch.Tensor):
+        """What an expert-parallel pipeline (`ep.overlap`) may run on the received rows instead of this
+        module's forward: `run_rows` for plain GPU inference (`fast_path`), `run_rows_collecting` during max
+        calibration where the grouped statistics path applies, else None (the module's forward must run)."""
+        if self.fast_path(hidden_states):
+            return self.run_rows
+        if not torch.is_grad_enabled() and self._grouped_statistics_on(hidden_states):
+            return self.run_rows_collecting
+        return None
+
     def _grouped_rows(self, hidden_states, top_k_index):
         """The K slots of the T tokens sorted by expert (no host sync): order_S, offs_E, valid_S1 (False for
         EP sentinel slots, id E, which sort after every group) and the rows x_SL."""
@@ -141,18 +163,17 @@ class _FusedExpertsBase(nn.Module):
             return False
         return not any(getattr(q, "is_enabled", False) and getattr(q, "_if_quant", False) for q in (*inputs, *weights))
 
+    def _grouped_statistics_on(self, hidden_states: torch.Tensor) -> bool:
+        """ModelOpt only collects max statistics and `GROUPED_STATISTICS` allows the grouped path here."""
+        mode_allows = GROUPED_STATISTICS == "always" or (GROUPED_STATISTICS == "cuda" and hidden_states.is_cuda)
+        return mode_allows and self._collecting_statistics()
+
     def _grouped_statistics_forward(self, hidden_states, top_k_index, top_k_weights):
-        """Calibration on GPUs: the rows of all experts sorted by expert, two grouped GEMMs, and each
-        projection's (shared) input quantizer shown all its rows at once. Gives the max statistics of the
-        eager path (the max over the same rows) without its per-expert loop and host syncs. Rows of the EP
-        sentinel (id E) are masked out of the statistics and the result."""
+        """Calibration (one process): the rows of all experts sorted by expert, two grouped GEMMs, and each
+        projection's (shared) input quantizer shown all its rows at once (`run_rows_collecting`). Gives the max
+        statistics of the eager path (the max over the same rows) without its per-expert loop and host syncs."""
         order_S, offs_E, valid_S1, x_SL = self._grouped_rows(hidden_states, top_k_index)
-        self.gate_up_proj_input_quantizer(torch.where(valid_S1, x_SL, 0))
-        with self.materialized(hidden_states.dtype):
-            gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
-            h_SI = torch.where(valid_S1, self._apply_gate(project(x_SL, gate_up, offs_E)), 0)
-            self.down_proj_input_quantizer(h_SI)
-            y_SL = torch.where(valid_S1, project(h_SI, down, offs_E), 0)
+        y_SL = self.run_rows_collecting(x_SL, offs_E=offs_E, valid_S1=valid_S1)
         return gather_weighted_sum(y_SL, inverse_permutation(order_S), top_k_weights).to(hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -170,8 +191,7 @@ class _FusedExpertsBase(nn.Module):
         """
         if self.fast_path(hidden_states):
             return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
-        if (GROUPED_STATISTICS == "always" or (GROUPED_STATISTICS == "cuda" and hidden_states.is_cuda)) and (
-                self._collecting_statistics()):
+        if self._grouped_statistics_on(hidden_states):
             return self._grouped_statistics_forward(hidden_states, top_k_index, top_k_weights)
         T, L = hidden_states.shape
         slots_TkL = hidden_states.new_zeros(T, top_k_index.shape[1], L)
@@ -181,7 +201,7 @@ class _FusedExpertsBase(nn.Module):
             hit = mask_EkT[: self.num_experts].sum(dim=(1, 2)).nonzero().flatten().tolist()
         for e in hit:
             k_pos, token_idx = torch.where(mask_EkT[e])
-            rows = _pad_rows(hidden_states[token_idx])
+            rows = pad_rows(hidden_states[token_idx])  # see ep.local.MIN_ROWS
             h = self._apply_gate(F.linear(rows, gate_up[e]))
             slots_TkL[token_idx, k_pos] = F.linear(h, down[e])[: token_idx.numel()]
         return weighted_sum(slots_TkL, top_k_weights).to(hidden_states.dtype)

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from modelopt_ext.ep.local import MIN_ROWS
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from modelopt_ext.models.kimi_k3 import experts as experts_mod
-from modelopt_ext.models.kimi_k3.experts import MIN_ROWS, KimiK3Experts, KimiK3PackedExperts
+from modelopt_ext.models.kimi_k3.experts import KimiK3Experts, KimiK3PackedExperts
 from modelopt_ext.models.kimi_k3.standin.configuration_kimi_k3 import KimiLinearConfig
 
 E, L, I = 6, 32, 64  # experts, latent width, expert width (multiples of 32 for MXFP4)
@@ -369,7 +370,7 @@ def test_eager_expert_slices_are_views_of_the_materialized_tensor(monkeypatch):
         ids[kind].append(e)
         if kind == "gate_up":  # the rows routed to expert e (slot-major order, as torch.where gives them)
             tokens = [t for j in range(idx.shape[1]) for t, row in enumerate(idx.tolist()) if row[j] == e]
-            # padded with zero rows to MIN_ROWS (row-count-independent GEMMs; see experts.py)
+            # padded with zero rows to MIN_ROWS (row-count-independent GEMMs; see ep.local)
             assert inp.shape[0] == max(len(tokens), MIN_ROWS)
             assert torch.equal(inp[: len(tokens)], x[tokens]) and not inp[len(tokens):].any()
     assert ids["gate_up"] == hit and ids["down"] == hit
