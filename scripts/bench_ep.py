@@ -12,8 +12,11 @@ lock step. Measured in the same run:
     `torch_a2a` takes for calibration and autograd);
   - parts: the two bare `torch._grouped_mm` GEMMs on the rows this rank receives + raw `all_to_all_single`
     of the same rows there and back (the issue's yardstick: layer / parts <= 1.0);
-  - experts block (`run_rows`: GEMMs, activation) against a bf16 8192^3 matmul; the activation's two
-    compiled forms; MXFP4 dequantization of the local experts (reference vs fused kernel);
+  - experts block (`run_rows`: GEMMs, activation) against a bf16 8192^3 matmul, with each SiTU-GLU form
+    (`experts.GLU_FORMS` and the sigmoid rewrite; time and error against float64); MXFP4 dequantization of
+    the local experts (reference vs fused kernel);
+  - with --carveouts N: cuBLASLt GEMMs told to leave N SMs free (`torch._C._set_sm_carveout_experimental`),
+    bare and inside the overlapped layer;
   - dispatch+combine alone (identity experts) against the raw exchange.
 Rank 0 prints ratios and writes DIR/bench_ep.json.
 """
@@ -89,15 +92,34 @@ def situ_glu_sigmoid_form(gate, up, beta: float, linear_beta: float):
     return (gate_part * (linear_beta * (2 * torch.sigmoid(u * (2 / linear_beta)) - 1))).to(gate.dtype)
 
 
+def bf16_ulps(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|y - ref| in units of the bf16 spacing at |ref| (2^(floor(log2 |ref|) - 7); values below 2^-60 count as
+    2^-67)."""
+    exponent = torch.floor(torch.log2(ref.abs().clamp_min(2.0**-60)))
+    return (y.double() - ref).abs() / torch.exp2(exponent - 7)
+
+
 def bench_activation(R, I, dev, dt, timed, t, out) -> None:
-    gate_up = torch.randn(R, 2 * I, device=dev, dtype=dt)
-    ref = experts_module._situ_glu_reference(*gate_up.chunk(2, -1), 4.0, 25.0).float()
+    """Each SiTU-GLU form on a [R, 2I] gate/up output: time, and its error against the float64 formula."""
+    gate_up = torch.randn(R, 2 * I, device=dev, dtype=dt) * 3
+    ref = experts_module._situ_glu_reference(*gate_up.double().chunk(2, -1), 4.0, 25.0)
+    forms = {form: (lambda form=form: _glu_form(form, gate_up)) for form in experts_module.GLU_FORMS}
     sigmoid_form = torch.compile(situ_glu_sigmoid_form, dynamic=True, fullgraph=True) if dev == "cuda" else (
         situ_glu_sigmoid_form)
-    for form, fn in (("tanh", experts_module.situ_glu), ("sigmoid", sigmoid_form)):
-        t[f"glu_{form}"] = timed(lambda: fn(*gate_up.chunk(2, -1), 4.0, 25.0))
-        diff = (fn(*gate_up.chunk(2, -1), 4.0, 25.0).float() - ref).abs()
-        out[f"glu_{form}_max_abs_diff"] = float(diff.max())
+    forms["sigmoid"] = lambda: sigmoid_form(*gate_up.chunk(2, -1), 4.0, 25.0)
+    for form, fn in forms.items():
+        t[f"glu_{form}"] = timed(fn)
+        y = fn()
+        out[f"glu_{form}_max_abs_diff"] = float((y.double() - ref).abs().max())
+        out[f"glu_{form}_max_bf16_ulps"] = float(bf16_ulps(y, ref).max())
+
+
+def _glu_form(form: str, gate_up: torch.Tensor) -> torch.Tensor:
+    saved, experts_module.GLU_ON_CUDA = experts_module.GLU_ON_CUDA, form
+    try:
+        return experts_module.apply_situ_glu(gate_up, 4.0, 25.0)
+    finally:
+        experts_module.GLU_ON_CUDA = saved
 
 
 def bench_dequant(E, I, H, dev, dt, timed, t, out) -> None:
@@ -173,6 +195,10 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         t["dense_same_shapes"] = timed(lambda: (torch.mm(xs, w13[0].t()), torch.mm(h, w2[0].t())))
         # the experts block
         t["experts_segments"] = timed(lambda: experts.run_rows(recv_x, segments))
+        for form in experts_module.GLU_FORMS[1:3]:  # the default's alternatives on GPUs
+            saved, experts_module.GLU_ON_CUDA = experts_module.GLU_ON_CUDA, form
+            t[f"experts_segments_glu_{form}"] = timed(lambda: experts.run_rows(recv_x, segments))
+            experts_module.GLU_ON_CUDA = saved
         t["experts_grouped"] = timed(lambda: experts.run_rows(xs, offs_E=offs_E))
         ones = torch.ones(R, device=dev, dtype=dt)
         t["experts_transformers"] = timed(lambda: run_local_experts(experts, recv_x, recv_ids, ones))
@@ -209,6 +235,18 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         t["layer_before"] = timed(layer_before)
         for c in args.chunks:
             t[f"layer_ours_c{c}"] = timed(lambda: layer_ours(c))
+        # SMs left to NCCL while the GEMMs run (cuBLASLt's SM count target), so the exchange can overlap them
+        for sms in (n for n in args.carveouts if n and dev == "cuda"):
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            torch._C._set_sm_carveout_experimental(sms)
+            try:
+                t[f"bare_segment_gemms_carveout{sms}"] = timed(lambda: (local.project(recv_x, w13, segments=segments),
+                                                                        local.project(h, w2, segments=segments)))
+                for c in args.chunks:
+                    t[f"layer_ours_c{c}_carveout{sms}"] = timed(lambda: layer_ours(c))
+            finally:
+                torch._C._set_sm_carveout_experimental(None)
+                torch.backends.cuda.preferred_blas_library("default")
         y_before, y_ours = layer_before().float(), layer_ours(args.chunks[-1]).float()
         out["layer_max_abs_diff"] = float((y_ours - y_before).abs().max())
         out["layer_ref_max_abs"] = float(y_before.abs().max())
@@ -216,17 +254,18 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
     return out
 
 
-def summarize(run: dict, matmul_tflops: float, chunks) -> dict:
+def summarize(run: dict, matmul_tflops: float) -> dict:
     t = run["ms"]
     parts = t["bare_grouped_gemms"] + t["raw_all_to_all"]
-    best_c = min(chunks, key=lambda c: t[f"layer_ours_c{c}"])
+    layers = {k: v for k, v in t.items() if k.startswith("layer_ours_c")}
+    best = min(layers, key=layers.get)
     blocks = ("dense_same_shapes", "bare_grouped_gemms", "bare_segment_gemms", "experts_segments", "experts_grouped",
-              "experts_transformers", *(k for k in t if k.startswith("experts_segments_tile")))
+              "experts_transformers", *(k for k in t if k.startswith(("experts_segments_", "bare_segment_gemms_"))))
     tflops = {k: run["flops"] / (t[k] / 1e3) / 1e12 for k in blocks}
-    return {"parts_ms": parts, "best_chunks": best_c,
-            "layer_ours_over_parts": t[f"layer_ours_c{best_c}"] / parts,
+    return {"parts_ms": parts, "best_layer": best,
+            "layer_ours_over_parts": t[best] / parts,
             "layer_before_over_parts": t["layer_before"] / parts,
-            **{f"layer_ours_c{c}_over_parts": t[f"layer_ours_c{c}"] / parts for c in chunks},
+            **{f"{k}_over_parts": v / parts for k, v in layers.items()},
             "TFLOPs": tflops, **{f"{k}_over_matmul": v / matmul_tflops for k, v in tflops.items()},
             "raw_over_exchange_ours": t["raw_all_to_all"] / min(v for k, v in t.items()
                                                                  if k.startswith("exchange_ours")),
@@ -248,7 +287,8 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=3072)
     parser.add_argument("--local-experts", type=int, default=14)
     parser.add_argument("--top-k", type=int, default=16)
-    parser.add_argument("--row-tiles", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--row-tiles", type=int, nargs="+", default=[])
+    parser.add_argument("--carveouts", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -266,7 +306,7 @@ def main() -> None:
                "torch": torch.__version__, f"matmul_{n}_bf16_TFLOPs": matmul_tflops, "args": vars(args), "runs": []}
     for tokens in args.tokens:
         run = bench_tokens(tokens, args, dist.group.WORLD, timed, dev)
-        run["summary"] = summarize(run, matmul_tflops, args.chunks)
+        run["summary"] = summarize(run, matmul_tflops)
         results["runs"].append(run)
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -279,15 +319,18 @@ def main() -> None:
             t, s = r["ms"], r["summary"]
             print(f"--- {r['tokens_per_rank']} tokens/rank, {r['rows']} rows received")
             print("  ms: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
-            print(f"  layer/parts: ours {s['layer_ours_over_parts']:.2f} (chunks {s['best_chunks']}; "
-                  + ", ".join(f"c{c} {s[f'layer_ours_c{c}_over_parts']:.2f}" for c in args.chunks)
+            print(f"  layer/parts: ours {s['layer_ours_over_parts']:.2f} ({s['best_layer']}; "
+                  + ", ".join(f"{k[11:-11]} {v:.2f}" for k, v in s.items()
+                              if k.startswith("layer_ours_c") and k.endswith("_over_parts"))
                   + f"), before {s['layer_before_over_parts']:.2f}; parts {s['parts_ms']:.2f} ms")
             print("  experts TFLOP/s (/matmul): " + ", ".join(
                 f"{k} {v:.0f} ({s[f'{k}_over_matmul']:.2f})" for k, v in s["TFLOPs"].items()))
             print(f"  raw/dispatch+combine: ours {s['raw_over_exchange_ours']:.2f}, before "
                   f"{s['raw_over_exchange_before']:.2f}; dequant fused/bare GEMMs "
-                  f"{s['dequant_fused_over_bare_gemms']:.3f} (identical: {r['dequant_fused_identical']}); "
-                  f"glu max|diff| tanh {r['glu_tanh_max_abs_diff']:.2e} sigmoid {r['glu_sigmoid_max_abs_diff']:.2e}")
+                  f"{s['dequant_fused_over_bare_gemms']:.3f} (identical: {r['dequant_fused_identical']})")
+            print("  SiTU-GLU vs float64, max |diff| / max bf16 ulps: " + ", ".join(
+                f"{k[4:-13]} {r[k]:.2e} / {r[k[:-13] + '_max_bf16_ulps']:.2f}" for k in r
+                if k.startswith("glu_") and k.endswith("_max_abs_diff")))
             print(f"  layer ours vs before max|diff| {r['layer_max_abs_diff']:.3e} "
                   f"(max |y| {r['layer_ref_max_abs']:.3e})")
     dist.destroy_process_group()

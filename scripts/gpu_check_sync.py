@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 scripts/gpu_check_sync.py [--out DIR]
 
 On every rank (one GPU each):
-  1. one process: `KimiK3Experts` and `KimiK3PackedExperts` (MXFP4) in bf16 on the GPU, forward under
+  1. one process: `KimiK3Experts` and `KimiK3PackedExperts` (MXFP4) in bf16 on the GPU, with each GPU form of
+     the SiTU-GLU (`experts.GLU_FORMS`), forward under
      `torch.cuda.set_sync_debug_mode("error")` (any device-to-host sync raises), compared with the eager
      fp32 forward of the same weights on the CPU (some slots routed to the EP sentinel);
   2. expert parallel over all ranks: `ep.overlap.overlapped_moe` under sync debug mode "warn", counting the
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from modelopt_ext.ep.dispatch import combine, dispatch
 from modelopt_ext.ep.overlap import overlapped_moe
 from modelopt_ext.formats.mxfp4 import quantize_mxfp4
+from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts, KimiK3PackedExperts
 
 T, H, I, E, K = 512, 1024, 768, 16, 8
@@ -52,6 +54,16 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_one_process(seed: int) -> dict:
+    """Each GPU SiTU-GLU form of `experts.GLU_FORMS` (Triton precise and approximate tanh, compiled)."""
+    out = {}
+    for form in experts_module.GLU_FORMS[:3]:
+        experts_module.GLU_ON_CUDA = form
+        out.update({f"{name}_{form}": v for name, v in _check_one_process(seed).items()})
+    experts_module.GLU_ON_CUDA = experts_module.GLU_FORMS[0]
+    return out
+
+
+def _check_one_process(seed: int) -> dict:
     torch.manual_seed(seed)
     dense = KimiK3Experts(Config())
     packed = packed_from(dense)

@@ -19,6 +19,9 @@ from .overlap import overlapped_moe
 
 NAME = "torch_a2a"
 
+# False: every call takes dispatch -> the experts' class forward -> combine (the pipeline's A/B baseline).
+PIPELINE = True
+
 
 def run_local_experts(experts: torch.nn.Module, x_RH, ids_R, weights_R) -> torch.Tensor:
     """The experts' class forward on local rows (top-1, given weights). Looked up now, not at plan time."""
@@ -36,7 +39,7 @@ class TorchA2AEP(EPImplementation):
         self.group = ep_mesh.get_group()
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        pipeline_rows = getattr(self.experts, "pipeline_rows", None)
+        pipeline_rows = getattr(self.experts, "pipeline_rows", None) if PIPELINE else None
         run_rows = pipeline_rows(hidden_states) if pipeline_rows is not None else None
         if run_rows is not None:
             # Plain GPU inference or max calibration: the exchange overlapped with the local experts, which run

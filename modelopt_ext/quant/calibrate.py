@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from modelopt_ext.dist import mark
+from modelopt_ext.profiling import BatchProfiler
 
 from .coverage import Coverage, record_expert_coverage
 from .sync import calibration_algorithm, check_finite_amax, naming_nonfinite_quantizer, sync_amax
@@ -130,12 +131,16 @@ def calibrate(
     with routing, record_expert_coverage(model, router_glob, num_experts) as coverage:
 
         def forward_loop(m):
+            profiler = BatchProfiler.from_env(dist.get_rank() if dist.is_initialized() else 0)
             with torch.no_grad():
                 for i, batch in enumerate(batches):
                     mark(f"calibrate batch {i + 1}/{len(batches)}")
-                    m(**batch, use_cache=False)
+                    with profiler.batch(i) if profiler is not None else contextlib.nullcontext():
+                        m(**batch, use_cache=False)
                     if progress is not None:
                         progress(i + 1)
+            if profiler is not None:
+                profiler.close()
 
         with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model):
             model = mtq.quantize(model, cfg, forward_loop)

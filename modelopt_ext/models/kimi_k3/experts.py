@@ -61,21 +61,37 @@ def _situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linea
     return act.to(gate.dtype)
 
 
-# On CUDA the activation is one compiled (Triton) kernel: it reads the 16-bit gate/up halves once and writes
-# the 16-bit product, with the fp32 arithmetic in registers, instead of ~10 elementwise passes over fp32
-# temporaries (measured in docs/performance.md). `FUSE_ON_CUDA = False` restores the eager reference.
-FUSE_ON_CUDA = True
-_fused_situ_glu = None
+# How the activation runs on CUDA (measured side by side in docs/performance.md, `scripts/bench_ep.py`):
+# "triton" (`kernels.situ_glu`: reads the 16-bit gate/up output once, fp32 in registers, writes the 16-bit
+# product; libdevice tanh), "triton-approx" (the same with the GPU's tanh.approx instruction), "compile"
+# (`torch.compile` of the fp32 reference), "eager" (the reference: ~10 elementwise passes over fp32 temporaries).
+GLU_ON_CUDA = "triton"
+GLU_FORMS = ("triton", "triton-approx", "compile", "eager")
+_compiled_situ_glu = None
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU-GLU in fp32, cast back: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`."""
-    global _fused_situ_glu
-    if FUSE_ON_CUDA and gate.is_cuda and not torch.compiler.is_compiling():
-        if _fused_situ_glu is None:
-            _fused_situ_glu = torch.compile(_situ_glu_reference, dynamic=True, fullgraph=True)
-        return _fused_situ_glu(gate, up, beta, linear_beta)
+    """SiTU-GLU in fp32, cast back: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`; compiled
+    on CUDA when `GLU_ON_CUDA` is "compile"."""
+    global _compiled_situ_glu
+    if GLU_ON_CUDA == "compile" and gate.is_cuda and not torch.compiler.is_compiling():
+        if _compiled_situ_glu is None:
+            _compiled_situ_glu = torch.compile(_situ_glu_reference, dynamic=True, fullgraph=True)
+        return _compiled_situ_glu(gate, up, beta, linear_beta)
     return _situ_glu_reference(gate, up, beta, linear_beta)
+
+
+def apply_situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """[S, 2I] gate/up output (w1 half, then w3 half) -> [S, I] SiTU-GLU, in the form `GLU_ON_CUDA` names on
+    CUDA (see above) and the fp32 reference elsewhere."""
+    if GLU_ON_CUDA not in GLU_FORMS:
+        raise ValueError(f"GLU_ON_CUDA is {GLU_ON_CUDA!r}; expected one of {GLU_FORMS}")
+    if gate_up_S2I.is_cuda and GLU_ON_CUDA.startswith("triton") and not torch.compiler.is_compiling():
+        from modelopt_ext.kernels.situ_glu import situ_glu as kernel
+
+        return kernel(gate_up_S2I, beta, linear_beta, approx=GLU_ON_CUDA == "triton-approx")
+    gate, up = gate_up_S2I.chunk(2, dim=-1)
+    return situ_glu(gate, up, beta, linear_beta)
 
 
 class _FusedExpertsBase(nn.Module):
@@ -89,8 +105,7 @@ class _FusedExpertsBase(nn.Module):
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         """[S, 2I] -> [S, I]: SiTU-GLU of the w1 half and the w3 half."""
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        return situ_glu(gate, up, self.situ_beta, self.situ_linear_beta)
+        return apply_situ_glu(gate_up_out, self.situ_beta, self.situ_linear_beta)
 
     @contextlib.contextmanager
     def materialized(self, dtype: torch.dtype):
