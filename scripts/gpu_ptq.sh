@@ -11,7 +11,7 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:.
 fi
 export HF_HUB_OFFLINE=1 HF_MODULES_CACHE=/tmp/hf_modules
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU"; } | tee "$OUT/gpus.txt"
 [ -f /tmp/mid/config.json ] || python3 -m modelopt_ext make-tiny kimi_k3 /tmp/mid --force --num-layers 4 --hidden-size 4096 --latent-size 3072 \
   --moe-intermediate-size 3584 --num-experts 28 --top-k 8 --vocab-size 8192
 # The embedded calibration set is a few thousand tokens: repeat the stand-in's corpus (shuffled lines) so
@@ -27,15 +27,31 @@ with open("/tmp/calib.txt", "w") as f:
         f.write("\n".join(lines) + "\n\n")
 PY
 ARGS="--model /tmp/mid --dataset /tmp/calib.txt --calib-size ${CALIB_SIZE:-64} --batch-size 4 --seq-len 2048 --no-progress --overwrite"
-# REPEAT rounds of (EP1, EP2), alternating, so both see the same machine state; summary_epN_R.json each.
+# run NAME NPROC [MODULE.ATTR=VALUE ...]: one ptq (scripts/run_with.py applies the settings first).
+run() {
+  local name=$1 n=$2; shift 2
+  python3 -m torch.distributed.run --standalone --nproc-per-node "$n" scripts/run_with.py "$@" -- ptq $ARGS \
+    --export-dir "/tmp/export_$name" --summary-json "$OUT/summary_$name.json" > "$OUT/ptq_$name.txt" 2>&1 \
+    || { grep -v Warning "$OUT/ptq_$name.txt" | tail -40; exit 1; }
+  echo "== $name"; grep -E "calibrate done|tokens/s|peak" "$OUT/ptq_$name.txt" | tail -4
+}
+# WARMUP=1: a short EP2 run first, so Triton's and torch.compile's on-disk caches are filled before timing.
+if [ "${WARMUP:-0}" = 1 ]; then
+  FULL=$ARGS; ARGS="${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 16}"; run warmup 2; ARGS=$FULL
+fi
+# REPEAT rounds of EP1, EP2 (and with AB=1 EP2 without the overlapped pipeline: dispatch -> experts' class
+# forward -> combine), alternating, so all see the same machine state; summary_<name>_<round>.json each.
 for r in $(seq 1 "${REPEAT:-1}"); do
-  for n in 1 2; do
-    python3 -m torch.distributed.run --standalone --nproc-per-node $n -m modelopt_ext ptq $ARGS \
-      --export-dir /tmp/export_ep$n --summary-json "$OUT/summary_ep${n}_$r.json" > "$OUT/ptq_ep$n.txt" 2>&1 \
-      || { grep -v Warning "$OUT/ptq_ep$n.txt" | tail -40; exit 1; }
-    tail -8 "$OUT/ptq_ep$n.txt"
-  done
+  run "ep1_$r" 1
+  run "ep2_$r" 2
+  [ "${AB:-0}" = 1 ] && run "ep2base_$r" 2 modelopt_ext.ep.backend.PIPELINE=False
 done
-python3 -m modelopt_ext verify /tmp/export_ep2 --source /tmp/mid 2>&1 | tail -4 | tee "$OUT/verify_ep2.txt"
-(cd /tmp && for f in $(ls export_ep1); do cmp -s export_ep1/$f export_ep2/$f || echo "differs: $f"; done) \
+# PROFILE=1: one more run of each with the calibration profiler (tables per rank under $OUT/prof_<name>/).
+if [ "${PROFILE:-0}" = 1 ]; then
+  MODELOPT_EXT_PROFILE="$OUT/prof_ep1" run prof_ep1 1
+  MODELOPT_EXT_PROFILE="$OUT/prof_ep2" run prof_ep2 2
+  [ "${AB:-0}" = 1 ] && MODELOPT_EXT_PROFILE="$OUT/prof_ep2base" run prof_ep2base 2 modelopt_ext.ep.backend.PIPELINE=False
+fi
+python3 -m modelopt_ext verify /tmp/export_ep2_1 --source /tmp/mid 2>&1 | tail -4 | tee "$OUT/verify_ep2.txt"
+(cd /tmp && for f in $(ls export_ep1_1); do cmp -s "export_ep1_1/$f" "export_ep2_1/$f" || echo "differs: $f"; done) \
   | tee "$OUT/compare.txt" | head -20

@@ -29,14 +29,18 @@ def apply(setting: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if "--" not in argv:
-        raise SystemExit("usage: run_with.py MODULE.ATTRIBUTE=VALUE ... -- COMMAND ARGS")
-    cut = argv.index("--")
-    for setting in argv[:cut]:
-        apply(setting)
+    """Leading MODULE.ATTRIBUTE=VALUE arguments are settings; an optional `--` ends them (launchers such as
+    torchrun may drop it); the rest is the command line."""
+    cut = 0
+    while cut < len(argv) and "=" in argv[cut] and not argv[cut].startswith("-"):
+        apply(argv[cut])
+        cut += 1
+    rest = argv[cut + 1:] if cut < len(argv) and argv[cut] == "--" else argv[cut:]
+    if not rest:
+        raise SystemExit("usage: run_with.py [MODULE.ATTRIBUTE=VALUE ...] [--] COMMAND ARGS")
     from modelopt_ext.cli import main as cli_main
 
-    return cli_main(argv[cut + 1:])
+    return cli_main(rest)
 
 
 if __name__ == "__main__":
