@@ -46,8 +46,9 @@ for r in $(seq 1 "${REPEAT:-1}"); do
   run "ep2_$r" 2
   [ "${AB:-0}" = 1 ] && run "ep2base_$r" 2 modelopt_ext.ep.backend.PIPELINE=False
 done
-# PROFILE=1: one more run of each with the calibration profiler (tables per rank under $OUT/prof_<name>/).
+# PROFILE=1: one more run of each (64 blocks) with the calibration profiler (tables per rank under $OUT/prof_<name>/).
 if [ "${PROFILE:-0}" = 1 ]; then
+  ARGS="${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 64}"
   MODELOPT_EXT_PROFILE="$OUT/prof_ep1" run prof_ep1 1
   MODELOPT_EXT_PROFILE="$OUT/prof_ep2" run prof_ep2 2
   [ "${AB:-0}" = 1 ] && MODELOPT_EXT_PROFILE="$OUT/prof_ep2base" run prof_ep2base 2 modelopt_ext.ep.backend.PIPELINE=False
