@@ -17,13 +17,17 @@ lock step. Measured in the same run:
     the local experts (reference vs fused kernel);
   - with --carveouts N: cuBLASLt GEMMs told to leave N SMs free (`torch._C._set_sm_carveout_experimental`),
     bare and inside the overlapped layer;
-  - dispatch+combine alone (identity experts) against the raw exchange.
+  - dispatch+combine alone (identity experts) against the raw exchange;
+  - the layer with a new routing on every call ("varying": per-shape host costs show, as in calibration),
+    with the default rule for small blocks (`ep.local.SEGMENT_MIN_ROWS`: regrouped) and with one GEMM per
+    block.
 Rank 0 prints ratios and writes DIR/bench_ep.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -150,6 +154,15 @@ def bench_exchange_parts(x, ids, weights, num_experts, K, timed, t) -> None:
     t["part_gather_weighted_sum_eager"] = timed(lambda: local._gather_weighted_sum(back, inverse, weights))
 
 
+@contextlib.contextmanager
+def segment_rule(min_rows: int):
+    saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
+    try:
+        yield
+    finally:
+        local.SEGMENT_MIN_ROWS = saved
+
+
 def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
     W, rank = dist.get_world_size(), dist.get_rank()
     H, I, E, K = args.hidden, args.inter, args.local_experts, args.top_k
@@ -194,11 +207,14 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         # GEMMs would reach at this size and the clocks of a long run
         t["dense_same_shapes"] = timed(lambda: (torch.mm(xs, w13[0].t()), torch.mm(h, w2[0].t())))
         # the experts block
-        t["experts_segments"] = timed(lambda: experts.run_rows(recv_x, segments))
-        for form in experts_module.GLU_FORMS[1:3]:  # the default's alternatives on GPUs
-            saved, experts_module.GLU_ON_CUDA = experts_module.GLU_ON_CUDA, form
-            t[f"experts_segments_glu_{form}"] = timed(lambda: experts.run_rows(recv_x, segments))
-            experts_module.GLU_ON_CUDA = saved
+        with segment_rule(0):  # one cuBLAS GEMM per [source][expert] block, whatever its size
+            t["experts_segments"] = timed(lambda: experts.run_rows(recv_x, segments))
+            for form in experts_module.GLU_FORMS[1:3]:  # the default's alternatives on GPUs
+                saved, experts_module.GLU_ON_CUDA = experts_module.GLU_ON_CUDA, form
+                t[f"experts_segments_glu_{form}"] = timed(lambda: experts.run_rows(recv_x, segments))
+                experts_module.GLU_ON_CUDA = saved
+        with segment_rule(1 << 62):  # blocks regrouped expert-major, one grouped GEMM per projection
+            t["experts_segments_regrouped"] = timed(lambda: experts.run_rows(recv_x, segments))
         t["experts_grouped"] = timed(lambda: experts.run_rows(xs, offs_E=offs_E))
         ones = torch.ones(R, device=dev, dtype=dt)
         t["experts_transformers"] = timed(lambda: run_local_experts(experts, recv_x, recv_ids, ones))
@@ -235,6 +251,20 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         t["layer_before"] = timed(layer_before)
         for c in args.chunks:
             t[f"layer_ours_c{c}"] = timed(lambda: layer_ours(c))
+        # a new routing on every call (as in calibration: every batch routes differently), so per-shape host
+        # costs (cuBLAS heuristics for a row count it has not seen) show; default segment rule, then forced
+        variants = iter([x + 0.05 * torch.randn_like(x) for _ in range(args.warmup + args.reps)] * 2)
+
+        def layer_varying(c):
+            xv = next(variants)
+            i, w = router(xv, w_router, K)
+            return overlapped_moe(xv, i, w, E, group, experts.run_rows, chunks=c)
+
+        c_mid = args.chunks[len(args.chunks) // 2]
+        t[f"layer_ours_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
+        with segment_rule(0):
+            t[f"layer_ours_c{c_mid}_varying_per_block"] = timed(lambda: layer_varying(c_mid))
+        variants = None  # free the inputs
         # SMs left to NCCL while the GEMMs run (cuBLASLt's SM count target), so the exchange can overlap them
         for sms in (n for n in args.carveouts if n and dev == "cuda"):
             torch.backends.cuda.preferred_blas_library("cublaslt")

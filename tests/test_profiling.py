@@ -10,16 +10,17 @@ from modelopt_ext.profiling import ENV_BATCHES, ENV_DIR, BatchProfiler
 
 def test_profiles_only_the_chosen_batches(tmp_path):
     profiler = BatchProfiler(tmp_path, first=1, count=2, rank=3)
-    a = torch.randn(64, 64)
+    a, b = torch.randn(64, 64), torch.randn(8, 8)
     for i in range(5):
         with profiler.batch(i):
-            (a @ a).sum()
+            (a @ a if i < 3 else b.t() @ b).sum()  # batches 3 and 4 (outside the window) only multiply b^T b
     profiler.close()
     summary = json.loads((tmp_path / "calibrate_rank3.json").read_text())
     assert summary["batches"] == [1, 3] and len(summary["wall_ms"]) == 2
     assert all(ms > 0 for ms in summary["wall_ms"])
     table = (tmp_path / "calibrate_rank3.txt").read_text()
     assert "aten::mm" in table and "## by self_cpu_time_total" in table
+    assert "aten::t " not in table  # the profiler stopped after the window
 
 
 def test_loop_shorter_than_the_window_writes_nothing(tmp_path):
@@ -41,3 +42,16 @@ def test_from_env(tmp_path, monkeypatch):
         monkeypatch.setenv(ENV_BATCHES, bad)
         with pytest.raises(ValueError, match=ENV_BATCHES):
             BatchProfiler.from_env()
+
+
+def test_sync_call_sites_with_stacks(tmp_path):
+    def reads_back():
+        return torch.ones(3).sum().item()
+
+    profiler = BatchProfiler(tmp_path, first=0, count=1, stacks=True)
+    with profiler.batch(0):
+        reads_back()
+    profiler.close()
+    table = (tmp_path / "calibrate_rank0.txt").read_text()
+    assert "## host syncs by call site" in table and "aten::_local_scalar_dense" in table
+    assert "reads_back" in table.split("## host syncs by call site")[1]

@@ -104,6 +104,62 @@ def expert_mlp(x_SL: torch.Tensor, gate_up_E2IL: torch.Tensor, down_ELI: torch.T
     return project(h_SI, down_ELI, offs_E, segments)
 
 
+# On CUDA, segments run as one cuBLAS GEMM each when they hold at least this many rows on average; smaller
+# ones are regrouped expert-major (`regroup`) for one `torch._grouped_mm` per projection. A cuBLAS call with a
+# row count it has not seen costs ~170 us of host time (its kernel heuristics; measured in calibration, where
+# every batch routes differently), more than the GPU time of a GEMM of a few thousand rows at these widths,
+# so small segments leave the GPU waiting for the host. See docs/performance.md.
+SEGMENT_MIN_ROWS = 4096
+
+
+def use_segment_gemms(segments: Sequence[Segment], device: torch.device) -> bool:
+    """Whether `segments` should run as per-segment GEMMs (always on CPUs, where that keeps every row's
+    result independent of the blocks; see MIN_ROWS) rather than regrouped."""
+    if device.type != "cuda":
+        return True
+    sizes = [rows for _, _, rows in segments if rows]
+    return not sizes or sum(sizes) / len(sizes) >= SEGMENT_MIN_ROWS
+
+
+def _pinned(values: list[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """A small host list on `device` without a host sync (pinned memory, asynchronous copy)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def regroup(segments: Sequence[Segment], num_experts: int, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows laid out as `segments` (each a contiguous block of one expert's rows, e.g. [source][expert]):
+    `gather_R` (row i of the expert-major layout is row gather_R[i] of the input), `offs_E` (int32 inclusive
+    row offsets per expert, for `project`) and `back_R` (row j of the input layout is row back_R[j] of the
+    expert-major one). Built on the device from the host sizes; no host sync."""
+    blocks = [(e, start, rows) for e, start, rows in segments if rows]
+    if any(not 0 <= e < num_experts for e, _, _ in blocks):
+        raise ValueError(f"segment experts {sorted({e for e, _, _ in blocks})} outside [0, {num_experts})")
+    order = sorted(range(len(blocks)), key=lambda b: blocks[b][0])  # stable: source order within an expert
+    dst_start, row = [0] * len(blocks), 0
+    for b in order:
+        dst_start[b] = row
+        row += blocks[b][2]
+    totals = [0] * num_experts
+    for e, _, rows in blocks:
+        totals[e] += rows
+    offs = [sum(totals[:e + 1]) for e in range(num_experts)]
+
+    def index(block_order: list[int], to_start: list[int], from_start: list[int]) -> torch.Tensor:
+        # for each row of the `block_order` layout: its row in the other layout
+        sizes = _pinned([blocks[b][2] for b in block_order], device)
+        shift = _pinned([to_start[b] - from_start[b] for b in block_order], device)
+        return torch.arange(row, device=device) + shift.repeat_interleave(sizes, output_size=row)
+
+    src_start = [start for _, start, _ in blocks]
+    gather_R = index(order, src_start, dst_start)
+    back_R = index(sorted(range(len(blocks)), key=lambda b: src_start[b]), dst_start, src_start)
+    return gather_R, _pinned(offs, device, torch.int32), back_R
+
+
 def block_segments(counts_WE: Sequence[Sequence[int]], start: int = 0) -> list[Segment]:
     """Segments of rows laid out as blocks [source rank][local expert] (what `dispatch` delivers)."""
     segments, row = [], start

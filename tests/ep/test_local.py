@@ -73,3 +73,33 @@ def test_gather_weighted_sum_is_the_combine_arithmetic():
     out = torch.empty(T + 2, H)
     local.gather_weighted_sum(back, inverse, w, out=out[1:T + 1])
     assert torch.equal(out[1:T + 1], want)
+
+
+def test_regroup_orders_blocks_expert_major_and_back():
+    # [source][expert] blocks of 2 sources x 3 experts; expert 1 of source 0 and expert 2 of source 1 empty
+    counts = [[2, 0, 3], [1, 4, 0]]
+    segments = local.block_segments(counts)
+    ids = torch.tensor([e for e, _, rows in segments for _ in range(rows)])
+    x = torch.arange(ids.numel()).float().unsqueeze(1)
+    gather, offs, back = local.regroup(segments, 3, torch.device("cpu"))
+    regrouped = x.index_select(0, gather)
+    assert ids[gather].tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert gather.tolist() == [0, 1, 5, 6, 7, 8, 9, 2, 3, 4]  # sources in order within an expert
+    assert offs.dtype == torch.int32 and offs.tolist() == [3, 7, 10]
+    assert torch.equal(regrouped.index_select(0, back), x)
+
+
+def test_regroup_refuses_unknown_experts():
+    try:
+        local.regroup([(0, 0, 2), (3, 2, 1)], 3, torch.device("cpu"))
+    except ValueError as err:
+        assert "outside [0, 3)" in str(err)
+    else:
+        raise AssertionError("expert 3 of 3 accepted")
+
+
+def test_segment_gemms_only_for_large_segments_on_gpus():
+    big, small = [(0, 0, local.SEGMENT_MIN_ROWS), (1, local.SEGMENT_MIN_ROWS, 0)], [(0, 0, 8), (1, 8, 8)]
+    cuda = torch.device("cuda")
+    assert local.use_segment_gemms(big, cuda) and not local.use_segment_gemms(small, cuda)
+    assert local.use_segment_gemms(small, torch.device("cpu"))  # CPUs keep per-block GEMMs (exact rows)

@@ -35,7 +35,9 @@ from modelopt_ext.ep.local import (
     inverse_permutation,
     pad_rows,
     project,
+    regroup,
     sort_by_expert,
+    use_segment_gemms,
 )
 from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4, dequantize_mxfp4_fused
 
@@ -121,9 +123,20 @@ class _FusedExpertsBase(nn.Module):
         return (FAST_ON_CUDA and hidden_states.is_cuda and hidden_states.dtype == torch.bfloat16
                 and not torch.is_grad_enabled() and self._quantizer_free())
 
+    def _regrouped(self, fn, x_SL: torch.Tensor, segments: list[Segment] | None):
+        """`fn` on `segments` rows regrouped expert-major (one grouped GEMM per projection) when
+        `ep.local.use_segment_gemms` says the segments are too small for a GEMM each; None otherwise."""
+        if segments is None or use_segment_gemms(segments, x_SL.device):
+            return None
+        gather_R, offs_E, back_R = regroup(segments, self.num_experts, x_SL.device)
+        return fn(x_SL.index_select(0, gather_R), offs_E=offs_E).index_select(0, back_R)
+
     def run_rows(self, x_SL: torch.Tensor, segments: list[Segment] | None = None,
                  offs_E: torch.Tensor | None = None) -> torch.Tensor:
         """The experts on rows grouped by expert (`ep.local.expert_mlp`), weights read once per projection."""
+        regrouped = self._regrouped(self.run_rows, x_SL, segments)
+        if regrouped is not None:
+            return regrouped
         with self.materialized(x_SL.dtype):
             return expert_mlp(x_SL, _local(self.gate_up_proj), _local(self.down_proj), self._apply_gate, offs_E,
                               segments)
@@ -133,6 +146,10 @@ class _FusedExpertsBase(nn.Module):
         """`run_rows` while ModelOpt max-calibrates: each projection's (shared) input quantizer is shown all its
         rows at once; rows where `valid_S1` is False (EP sentinel slots) are zeroed before each quantizer sees
         them and in the result (zeros do not move a max)."""
+        regrouped = self._regrouped(self.run_rows_collecting, x_SL, segments)  # valid_S1 comes with offs_E only
+        if regrouped is not None:
+            return regrouped
+
         def masked(t):
             return t if valid_S1 is None else torch.where(valid_S1, t, 0)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from modelopt_ext.ep import local
+from modelopt_ext.models.kimi_k3 import experts as experts_module
 from tests.models.kimi_k3.test_experts import (
     dense_experts,
     packed_experts,
@@ -38,6 +39,23 @@ def test_run_rows_segments_equal_grouped_offsets():
     with torch.no_grad():
         torch.testing.assert_close(module.run_rows(x[order], segments), module.run_rows(x[order], offs_E=offs),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_small_segments_run_regrouped_with_the_same_result(monkeypatch):
+    """[source][expert] blocks below SEGMENT_MIN_ROWS (forced here on the CPU) are regrouped expert-major for
+    the grouped GEMMs and put back in block order: the same rows as one GEMM per block."""
+    W13, W2, x = random_weights(6)
+    module = dense_experts(W13, W2, "eager")
+    segments = local.block_segments([[2, 0, 1, 0, 0, 3], [0, 1, 1, 2, 0, 0]])
+    rows = sum(r for _, _, r in segments)
+    xs = x.repeat(2, 1)[:rows]
+    with torch.no_grad():
+        per_block = module.run_rows(xs, segments)
+        calls = []
+        monkeypatch.setattr(experts_module, "use_segment_gemms", lambda seg, dev: calls.append(1) and False)
+        regrouped = module.run_rows(xs, segments)
+    assert calls, "the regrouped path was not taken"
+    torch.testing.assert_close(regrouped, per_block, rtol=1e-5, atol=1e-6)
 
 
 def test_fast_path_only_for_plain_cuda_inference():
