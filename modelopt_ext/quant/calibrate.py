@@ -32,6 +32,7 @@ import torch.distributed as dist
 from modelopt_ext.dist import mark
 from modelopt_ext.profiling import BatchProfiler
 
+from .collect import check_collected, deferred_checks
 from .coverage import Coverage, record_expert_coverage
 from .sync import calibration_algorithm, check_finite_amax, naming_nonfinite_quantizer, sync_amax
 
@@ -141,8 +142,9 @@ def calibrate(
                         progress(i + 1)
             if profiler is not None:
                 profiler.close()
+            check_collected(m)  # the statistics' finiteness, deferred from every collect to here
 
-        with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model):
+        with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks():
             model = mtq.quantize(model, cfg, forward_loop)
     report = sync_amax(model) if dist.is_available() and dist.is_initialized() else None
     check_finite_amax(model)  # one process too: sync_amax only sees what it reduces
