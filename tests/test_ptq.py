@@ -186,6 +186,7 @@ def _summary(**changes) -> ptq.PtqSummary:
     fields = dict(export_dir="/out", recipe="kimi_k3/fp8_all", world_size=2, ep_size=2, seconds=seconds)
     fields.update(tokens=[1000, 1000], peak_host_bytes=[3 * 2**30, 2**31], peak_device_bytes=[None, None])
     fields.update(bytes_read=[5 * 2**20, 6 * 2**20], bytes_written=[2048, 512], coverage="expert coverage: 4/4")
+    fields.update(forward_seconds=[1.5, 2.0])
     return ptq.PtqSummary(**{**fields, **changes})
 
 
@@ -193,7 +194,7 @@ def test_summary_lines():
     assert _summary().lines() == [
         "exported /out (recipe kimi_k3/fp8_all; 2 rank(s), EP 2)",
         "time: validate 1.0 s, load 2.0 s, calibrate 4.0 s, export 3.0 s, summary 0.2 s; total 10.2 s",
-        "calibration: 2,000 tokens, 500 tokens/s",
+        "calibration: 2,000 tokens, 500 tokens/s (forward loop 1,000 tokens/s)",
         "rank 0: peak memory host 3.0 GiB, device -; read 5.0 MiB, written 2.0 KiB",
         "rank 1: peak memory host 2.0 GiB, device -; read 6.0 MiB, written 512 B",
         "expert coverage: 4/4",
@@ -245,7 +246,10 @@ def test_single_process(single_run):
     lines = out.splitlines()  # transformers and ModelOpt print notices to stdout before the summary
     start = next(i for i, line in enumerate(lines) if line.startswith("exported "))
     assert lines[start].startswith(f"exported {root / 'export'} (recipe kimi_k3/nvfp4_experts-fp8_attention")
-    fields = {k: v for k, v in summary.items() if k not in ("calib_tokens", "tokens_per_s")}
+    fields = {k: v for k, v in summary.items() if k not in ("calib_tokens", "tokens_per_s", "forward_tokens_per_s")}
+    # the forward loop is part of the calibrate phase: its rate is at least the phase's
+    assert 0 < summary["forward_seconds"][0] <= summary["seconds"]["calibrate"]
+    assert summary["forward_tokens_per_s"] >= summary["tokens_per_s"]
     assert lines[start + 1 :] == ptq.PtqSummary(**fields).lines()[1:]
     assert "calibrate" in err  # rank 0's progress bar
     export = root / "export"

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ class CalibrationResult:
     model: torch.nn.Module
     coverage: Coverage
     sync: dict[str, Any] | None
+    forward_s: float = 0.0  # this rank's forward loop (the batches and the deferred statistics check)
 
 
 @contextlib.contextmanager
@@ -131,7 +133,10 @@ def calibrate(
     # routing hooks first, so the coverage hook (registered after) counts what the experts actually get
     with routing, record_expert_coverage(model, router_glob, num_experts) as coverage:
 
+        forward_s = []
+
         def forward_loop(m):
+            start = time.perf_counter()
             profiler = BatchProfiler.from_env(dist.get_rank() if dist.is_initialized() else 0)
             with torch.no_grad():
                 for i, batch in enumerate(batches):
@@ -142,7 +147,8 @@ def calibrate(
                         progress(i + 1)
             if profiler is not None:
                 profiler.close()
-            check_collected(m)  # the statistics' finiteness, deferred from every collect to here
+            check_collected(m)  # the statistics' finiteness, deferred from every collect to here (a host read)
+            forward_s.append(time.perf_counter() - start)
 
         with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks():
             model = mtq.quantize(model, cfg, forward_loop)
@@ -155,4 +161,4 @@ def calibrate(
             raise UncoveredExperts(f"experts without calibration tokens: {detail}")
         logger.warning("experts without calibration tokens (policy %r): %s", uncovered, detail)
     logger.info(coverage.summary_line())
-    return CalibrationResult(model, coverage, report)
+    return CalibrationResult(model, coverage, report, sum(forward_s))
