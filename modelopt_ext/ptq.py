@@ -82,7 +82,8 @@ class PtqSummary:
     bytes_read: list[int]  # checkpoint bytes read while loading
     bytes_written: list[int]  # tensor bytes written by the export
     coverage: str  # Coverage.summary_line()
-    forward_seconds: list[float] = dataclasses.field(default_factory=list)  # calibration forward loop, per rank
+    # per rank: the calibrate phase's parts (`quant.calibrate.CalibrationResult.seconds`)
+    calibrate_parts: list[dict[str, float]] = dataclasses.field(default_factory=list)
     rank: int = dataclasses.field(default=0, compare=False)  # the rank holding this copy
 
     @property
@@ -98,7 +99,7 @@ class PtqSummary:
     def forward_tokens_per_s(self) -> float:
         """Calibration tokens over the slowest rank's forward loop: the calibrate phase without its fixed
         costs (ModelOpt's conversion, weight statistics, the amax sync, coverage)."""
-        seconds = max(self.forward_seconds, default=0.0)
+        seconds = max((parts.get("forward", 0.0) for parts in self.calibrate_parts), default=0.0)
         return self.calib_tokens / seconds if seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,7 +247,7 @@ class _Run:
         with self.phase("export"):
             export = all_or_fail("export", lambda: self._export(result))
         with self.phase("summary"):
-            summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line(), result.forward_s)
+            summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line(), result.seconds)
         if self.rank == 0:
             logger.info("ptq summary: %s", json.dumps(summary.to_dict()))
             if a.summary_json:
@@ -327,10 +328,11 @@ class _Run:
                 result.model, a.export_dir, source_dir=a.model, **options, write_extra=write_extra, progress=bar
             )
 
-    def _summary(self, model, inputs: Inputs, export, tokens: int, coverage: str, forward_s: float) -> PtqSummary:
+    def _summary(self, model, inputs: Inputs, export, tokens: int, coverage: str,
+                 calibrate_parts: dict[str, float]) -> PtqSummary:
         read = sum(getattr(model, "modelopt_ext_bytes_read", {}).values())
         mine = {"tokens": tokens, "peak_host_bytes": peak_host_bytes(), "peak_device_bytes": peak_device_bytes(),
-                "forward_seconds": round(forward_s, 3)}
+                "calibrate_parts": calibrate_parts}
         rows = gather_objects({**mine, "bytes_read": read})
         written = list(export.bytes_written) + [0] * (self.world_size - len(export.bytes_written))
         return PtqSummary(

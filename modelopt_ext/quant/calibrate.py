@@ -50,7 +50,11 @@ class CalibrationResult:
     model: torch.nn.Module
     coverage: Coverage
     sync: dict[str, Any] | None
-    forward_s: float = 0.0  # this rank's forward loop (the batches and the deferred statistics check)
+    # this rank's host wall clock per part (GPU work queued in one part may finish in the next): "convert"
+    # (ModelOpt's conversion, up to the first batch), "forward" (the batches and the deferred statistics check,
+    # which reads back), "finish" (ModelOpt after the loop: weight statistics), "sync" (amax sync under
+    # torch.distributed and the finiteness check), "coverage" (the count summed over ranks and its checks)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -133,10 +137,10 @@ def calibrate(
     # routing hooks first, so the coverage hook (registered after) counts what the experts actually get
     with routing, record_expert_coverage(model, router_glob, num_experts) as coverage:
 
-        forward_s = []
+        marks = {"start": time.perf_counter()}
 
         def forward_loop(m):
-            start = time.perf_counter()
+            marks["convert"] = time.perf_counter()
             profiler = BatchProfiler.from_env(dist.get_rank() if dist.is_initialized() else 0)
             with torch.no_grad():
                 for i, batch in enumerate(batches):
@@ -148,12 +152,14 @@ def calibrate(
             if profiler is not None:
                 profiler.close()
             check_collected(m)  # the statistics' finiteness, deferred from every collect to here (a host read)
-            forward_s.append(time.perf_counter() - start)
+            marks["forward"] = time.perf_counter()
 
         with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks():
             model = mtq.quantize(model, cfg, forward_loop)
+        marks["finish"] = time.perf_counter()
     report = sync_amax(model) if dist.is_available() and dist.is_initialized() else None
     check_finite_amax(model)  # one process too: sync_amax only sees what it reduces
+    marks["sync"] = time.perf_counter()
     missing = coverage.uncovered()
     if missing:
         detail = "; ".join(f"{name}: {experts}" for name, experts in missing.items())
@@ -161,4 +167,7 @@ def calibrate(
             raise UncoveredExperts(f"experts without calibration tokens: {detail}")
         logger.warning("experts without calibration tokens (policy %r): %s", uncovered, detail)
     logger.info(coverage.summary_line())
-    return CalibrationResult(model, coverage, report, sum(forward_s))
+    marks["coverage"] = time.perf_counter()
+    names = [k for k in marks if k != "start"]
+    times = [marks["start"]] + [marks[k] for k in names]
+    return CalibrationResult(model, coverage, report, {k: round(b - a, 3) for k, a, b in zip(names, times, times[1:])})

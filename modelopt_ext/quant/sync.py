@@ -72,6 +72,7 @@ def _reduce(quantizers: list[tuple[str, TensorQuantizer]], group, device: torch.
     if parts:
         flat = torch.cat(parts)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        spoilt = bool((torch.isnan(flat) | torch.isposinf(flat)).any())  # one host read for all quantizers
         offset = 0
         for (name, q), shape in zip(quantizers, shapes):
             if shape is None:
@@ -79,7 +80,7 @@ def _reduce(quantizers: list[tuple[str, TensorQuantizer]], group, device: torch.
             n = torch.Size(shape).numel()
             value = flat[offset : offset + n].view(shape)
             offset += n
-            if torch.isnan(value).any() or torch.isposinf(value).any():
+            if spoilt and bool((torch.isnan(value) | torch.isposinf(value)).any()):
                 raise RankFailure(f"calibration statistics of {name} are not finite: amax {value.flatten()[:4]}")
             dtype = q.amax.dtype if q.amax is not None else torch.float32
             q.amax = value.to(dtype)
@@ -122,17 +123,20 @@ def check_finite_amax(model: torch.nn.Module) -> None:
     Calibration statistics that are not finite would give NaN or zero scales in the export; this runs after
     calibration, in one process as under torch.distributed, before anything is exported.
     """
-    bad = []
+    named = []
     for name, module in model.named_modules():
-        if not isinstance(module, TensorQuantizer):
+        amax = getattr(module, "_amax", None) if isinstance(module, TensorQuantizer) else None
+        if isinstance(amax, torch.Tensor):  # the buffer itself: the amax property asserts on dynamic ones
+            named.append((name, amax.detach().float().flatten()))
+    if not named:
+        return
+    device = named[0][1].device
+    finite_all = torch.stack([torch.isfinite(v).all().to(device) for _, v in named]).cpu().tolist()  # one read
+    bad = []
+    for (name, values), ok in zip(named, finite_all):
+        if ok:
             continue
-        amax = getattr(module, "_amax", None)  # the buffer itself: the amax property asserts on dynamic ones
-        if not isinstance(amax, torch.Tensor):
-            continue
-        values = amax.detach().float().flatten()
         finite = torch.isfinite(values)
-        if bool(finite.all()):
-            continue
         kinds = [k for k, n in (("NaN", torch.isnan(values)), ("inf", torch.isinf(values))) if bool(n.any())]
         bad.append(f"{name} ({int((~finite).sum())} of {values.numel()} amax values {' and '.join(kinds)})")
     if bad:
