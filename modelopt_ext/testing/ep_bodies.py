@@ -282,10 +282,14 @@ def ep_coverage(rank: int, world_size: int, ckpt: str):
     return {"ep": ep.table(), "ref": {k: [v // world_size for v in row] for k, row in ref.table().items()}}
 
 
-def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str):
-    """calibrate() on EP2 with routing forced to rank 0's experts 0..3, under an uncovered-experts policy."""
+def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str, grouped_statistics: str = "cuda"):
+    """calibrate() on EP2 with routing forced to rank 0's experts 0..3, under an uncovered-experts policy;
+    `grouped_statistics="always"` takes the overlapped pipeline on the CPU (rank 1 then receives no rows)."""
     import modelopt.torch.quantization as mtq
 
+    from modelopt_ext.models.kimi_k3 import experts as experts_module
+
+    experts_module.GROUPED_STATISTICS = grouped_statistics
     from modelopt_ext.families import families
     from modelopt_ext.quant.calibrate import calibrate
 
@@ -294,13 +298,16 @@ def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str):
                                          dtype=torch.float32, experts_implementation="batched_mm")
     _force_routing(model, [0, 1, 2, 3])
     batches = [{"input_ids": torch.randint(13, 500, (2, 12), generator=torch.Generator().manual_seed(400 + rank))}]
+    from modelopt_ext.testing.export_bodies import counting_pipelined_calls
+
     try:
-        result = calibrate(model, mtq.FP8_DEFAULT_CFG, batches, router_glob=spec.router_glob, num_experts=16,
-                           uncovered=uncovered)
+        with counting_pipelined_calls() as counts:
+            result = calibrate(model, mtq.FP8_DEFAULT_CFG, batches, router_glob=spec.router_glob, num_experts=16,
+                               uncovered=uncovered)
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}
     experts = result.model.language_model.model.layers[1].block_sparse_moe.experts
-    return {"uncovered": result.coverage.uncovered(), "sync": result.sync,
+    return {"uncovered": result.coverage.uncovered(), "sync": result.sync, "pipelined_calls": counts["pipelined"],
             "down_input_amax": float(experts.down_proj_input_quantizer.amax)}
 
 

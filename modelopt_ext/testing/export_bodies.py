@@ -3,6 +3,8 @@ with rank 0 of 1 for the single-process reference)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import modelopt_ext
@@ -50,23 +52,31 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
                              write_extra=lambda staging: result.coverage.write_json(staging / "coverage.json"))
 
 
-def pipelined_calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str):
-    """`calibrate_and_export` under EP with the grouped statistics path forced on the CPU, counting the calls
-    of the overlapped pipeline's statistics-collecting row function on this rank."""
+@contextlib.contextmanager
+def counting_pipelined_calls():
+    """Counts the experts' `run_rows_collecting` calls in this process: yields {"pipelined": calls on
+    received blocks (from `ep.overlap`), "other": the rest}."""
     from modelopt_ext.models.kimi_k3 import experts
 
-    calls, original = [], experts._FusedExpertsBase.run_rows_collecting
+    counts, original = {"pipelined": 0, "other": 0}, experts._FusedExpertsBase.run_rows_collecting
 
     def counting(self, x_SL, segments=None, offs_E=None, valid_S1=None):
-        calls.append(segments is not None)  # True: called by the pipeline on received blocks
+        counts["pipelined" if segments is not None else "other"] += 1
         return original(self, x_SL, segments, offs_E, valid_S1)
 
     experts._FusedExpertsBase.run_rows_collecting = counting
     try:
-        result = calibrate_and_export(rank, world_size, ckpt, out, recipe, dense, grouped_statistics="always")
+        yield counts
     finally:
         experts._FusedExpertsBase.run_rows_collecting = original
-    return {"export": result, "pipelined_calls": sum(calls), "other_calls": len(calls) - sum(calls)}
+
+
+def pipelined_calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str):
+    """`calibrate_and_export` under EP with the grouped statistics path forced on the CPU, counting the calls
+    of the overlapped pipeline's statistics-collecting row function on this rank."""
+    with counting_pipelined_calls() as counts:
+        result = calibrate_and_export(rank, world_size, ckpt, out, recipe, dense, grouped_statistics="always")
+    return {"export": result, "pipelined_calls": counts["pipelined"], "other_calls": counts["other"]}
 
 
 def _fail_during_export(model, fail: bool) -> None:

@@ -80,14 +80,13 @@ def test_ep_export_is_byte_identical_to_single_process(single, source, tmp_path,
     assert sum(results[0].bytes_written) == results[0].total_bytes
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_pipelined_calibration_exports_identically(single, source, tmp_path, world_size):
+@pytest.mark.parametrize("world_size, dense", [(2, "replicate"), (4, "replicate"), (2, "fsdp")])
+def test_pipelined_calibration_exports_identically(single, source, tmp_path, world_size, dense):
     """Max calibration through the overlapped EP pipeline (`run_rows_collecting` on the received blocks, the
     GPU default, forced here on gloo ranks) exports the bytes of the one-process eager per-expert path."""
     out = tmp_path / "export"
     results = run_ranks("modelopt_ext.testing.export_bodies:pipelined_calibrate_and_export", world_size,
-                        {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": "replicate"},
-                        timeout_s=400)
+                        {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": dense}, timeout_s=400)
     _assert_identical(single[PRODUCTION], out)
     assert all(b > 0 for b in results[0]["export"].bytes_written)
     for r in results:  # every MoE forward of every rank went through the pipeline (2 chunks each)

@@ -22,6 +22,21 @@ def test_weights_policy_records_uncovered_experts(tiny_ckpt):
     assert results[0]["down_input_amax"] == results[1]["down_input_amax"]  # in step after the sync
 
 
+@pytest.mark.parametrize("uncovered", ["weights", "all-experts"])
+def test_policies_through_the_pipeline(tiny_ckpt, uncovered):
+    """Max calibration through the overlapped EP pipeline (forced on the CPU) with routing forced to rank 0's
+    experts (rank 1's experts receive no rows: `weights`) or to every expert (`all-experts`): the same
+    coverage and down-projection input amax as the dispatch/combine path."""
+    usual = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": uncovered}, timeout_s=300)
+    piped = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": uncovered, "grouped_statistics": "always"},
+                      timeout_s=300)
+    for u, p in zip(usual, piped):
+        assert "error" not in p, p
+        assert u["pipelined_calls"] == 0 and p["pipelined_calls"] == 10, p  # 5 MoE layers x 2 chunks
+        assert p["uncovered"] == u["uncovered"]
+        assert p["down_input_amax"] == pytest.approx(u["down_input_amax"], rel=1e-5)
+
+
 def test_fail_policy_fails_every_rank(tiny_ckpt):
     results = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": "fail"}, timeout_s=300)
     for r in results:
