@@ -7,9 +7,10 @@ input once, computes in fp32 registers and writes the 16-bit product once.
 
 `approx=True` evaluates tanh with the GPU's `tanh.approx.f32` instruction (and sigmoid(g) as
 0.5 tanh(g/2) + 0.5): three special-function-unit operations per element instead of libdevice's precise
-tanh/exp sequences, which keep the kernel compute-bound on an H200. The instruction's relative error (about
-2^-11) is below a bf16 rounding step (2^-8); what it costs against the fp32 reference is measured by
-`scripts/gpu_check_sync.py` and recorded in docs/performance.md.
+tanh/exp sequences, which keep the precise kernel compute-bound on an H200. Measured (docs/performance.md,
+session 4): twice as fast (1.21 vs 2.51 ms for 262,718 x 3,072 outputs) but up to ~250 bf16 ulps from the
+float64 formula at small values, where the precise kernel stays within 0.5 ulp; so the experts use the
+precise form (`experts.GLU_ON_CUDA = "triton"`).
 """
 
 from __future__ import annotations
