@@ -89,7 +89,11 @@ class BatchProfiler:
             self._profile.__enter__()
         self._sync()
         start = time.perf_counter()
-        yield
+        try:
+            yield
+        except BaseException:
+            self._stop()  # the batch failed: leave no profiler running; close() still writes what it has
+            raise
         self._sync()
         self.walls_ms.append((time.perf_counter() - start) * 1e3)
         if index == self.first + self.count - 1:

@@ -55,3 +55,14 @@ def test_sync_call_sites_with_stacks(tmp_path):
     table = (tmp_path / "calibrate_rank0.txt").read_text()
     assert "## host syncs by call site" in table and "aten::_local_scalar_dense" in table
     assert "reads_back" in table.split("## host syncs by call site")[1]
+
+
+def test_a_failing_batch_stops_the_profiler(tmp_path):
+    profiler = BatchProfiler(tmp_path, first=0, count=3)
+    with profiler.batch(0):
+        torch.ones(2).sum()
+    with pytest.raises(RuntimeError, match="boom"), profiler.batch(1):
+        raise RuntimeError("boom")
+    assert profiler._profile is None  # stopped, not left running
+    profiler.close()
+    assert json.loads((tmp_path / "calibrate_rank0.json").read_text())["wall_ms"] != []
