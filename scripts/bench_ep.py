@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from modelopt_ext.ep import local
 from modelopt_ext.ep.backend import run_local_experts
-from modelopt_ext.ep.dispatch import combine, count_ids, dispatch
+from modelopt_ext.ep.dispatch import combine, count_ids, dispatch, inverse_permutation
 from modelopt_ext.ep.overlap import overlapped_moe
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_fused
 from modelopt_ext.models.kimi_k3 import experts as experts_module
@@ -140,7 +140,7 @@ def bench_exchange_parts(x, ids, weights, num_experts, K, timed, t) -> None:
     ids_S = ids.reshape(-1)
     order = torch.argsort(ids_S, stable=True)
     back = x.new_empty(ids_S.numel(), x.shape[1]).normal_()
-    inverse = local.inverse_permutation(order)
+    inverse = inverse_permutation(order)
 
     def counts():
         c = count_ids(ids_S, num_experts)

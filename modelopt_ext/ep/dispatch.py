@@ -55,6 +55,13 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
+def inverse_permutation(order_S: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order_S` (int64 [S], on its device): inverse[order[i]] = i."""
+    inverse_S = torch.empty_like(order_S)
+    inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
+    return inverse_S
+
+
 def dispatch(
     x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, num_local_experts: int, group
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
@@ -102,9 +109,7 @@ def combine(y_RH: torch.Tensor, topk_weights_TK: torch.Tensor, meta: DispatchMet
         [T, H] in y's dtype.
     """
     back_SH = _exchange(y_RH, sum(meta.send_sizes), list(meta.send_sizes), list(meta.recv_sizes), group)
-    inverse_S = torch.empty_like(meta.order_S)
-    inverse_S[meta.order_S] = torch.arange(meta.order_S.numel(), device=meta.order_S.device)
-    slots_TKH = back_SH.index_select(0, inverse_S).view(meta.num_tokens, meta.top_k, -1)
+    slots_TKH = back_SH.index_select(0, inverse_permutation(meta.order_S)).view(meta.num_tokens, meta.top_k, -1)
     if y_RH.dtype == torch.float32:
         return weighted_sum(slots_TKH, topk_weights_TK)
     return torch.bmm(topk_weights_TK.to(y_RH.dtype).unsqueeze(1), slots_TKH).squeeze(1)

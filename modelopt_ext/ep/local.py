@@ -13,6 +13,7 @@ The activation runs once over all rows between the two projections.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,12 +44,6 @@ def sort_by_expert(ids_S: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     """
     order_S = torch.argsort(ids_S, stable=True)
     return order_S, torch.cumsum(count_ids(ids_S, num_experts + 1)[:num_experts], 0, dtype=torch.int32)
-
-
-def inverse_permutation(order_S: torch.Tensor) -> torch.Tensor:
-    inverse_S = torch.empty_like(order_S)
-    inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
-    return inverse_S
 
 
 def _segment_mm(x_SL: torch.Tensor, w_ENL: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
@@ -146,7 +141,7 @@ def regroup(segments: Sequence[Segment], num_experts: int, device: torch.device
     totals = [0] * num_experts
     for e, _, rows in blocks:
         totals[e] += rows
-    offs = [sum(totals[:e + 1]) for e in range(num_experts)]
+    offs = list(itertools.accumulate(totals))
 
     def index(block_order: list[int], to_start: list[int], from_start: list[int]) -> torch.Tensor:
         # for each row of the `block_order` layout: its row in the other layout

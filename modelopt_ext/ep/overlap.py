@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from modelopt_ext.faults import mark_exchange
 
-from .dispatch import count_ids
-from .local import Segment, block_segments, gather_weighted_sum, inverse_permutation
+from .dispatch import count_ids, inverse_permutation
+from .local import Segment, block_segments, gather_weighted_sum
 
 # Chunks of the rank's tokens (C above). 1 exchanges everything, then computes, then exchanges back.
 CHUNKS = 2

@@ -48,16 +48,14 @@ def _situ_glu_kernel(x_ptr, out_ptr, S, I, stride_x, stride_out, beta, linear_be
     tl.store(dst, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float, approx: bool = True,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float, approx: bool = False) -> torch.Tensor:
     """[S, I] in the input's dtype from the [S, 2I] gate/up output (CUDA, unit stride along the width)."""
     S, two_I = gate_up_S2I.shape
     if two_I % 2:
         raise ValueError(f"gate/up width {two_I} is odd: expected the w1 half then the w3 half")
     I = two_I // 2
     x = gate_up_S2I if gate_up_S2I.stride(1) == 1 else gate_up_S2I.contiguous()
-    if out is None:
-        out = x.new_empty(S, I)
+    out = x.new_empty(S, I)
     if S:
         grid = (triton.cdiv(S, BLOCK_M), triton.cdiv(I, BLOCK_N))
         _situ_glu_kernel[grid](x, out, S, I, x.stride(0), out.stride(0), float(beta), float(linear_beta),

@@ -137,10 +137,10 @@ def calibrate(
     # routing hooks first, so the coverage hook (registered after) counts what the experts actually get
     with routing, record_expert_coverage(model, router_glob, num_experts) as coverage:
 
-        marks = {"start": time.perf_counter()}
+        marks = [("start", time.perf_counter())]  # (part that ended, when)
 
         def forward_loop(m):
-            marks["convert"] = time.perf_counter()
+            marks.append(("convert", time.perf_counter()))
             profiler = BatchProfiler.from_env(dist.get_rank() if dist.is_initialized() else 0)
             with torch.no_grad():
                 for i, batch in enumerate(batches):
@@ -152,14 +152,14 @@ def calibrate(
             if profiler is not None:
                 profiler.close()
             check_collected(m)  # the statistics' finiteness, deferred from every collect to here (a host read)
-            marks["forward"] = time.perf_counter()
+            marks.append(("forward", time.perf_counter()))
 
         with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks():
             model = mtq.quantize(model, cfg, forward_loop)
-        marks["finish"] = time.perf_counter()
+        marks.append(("finish", time.perf_counter()))
     report = sync_amax(model) if dist.is_available() and dist.is_initialized() else None
     check_finite_amax(model)  # one process too: sync_amax only sees what it reduces
-    marks["sync"] = time.perf_counter()
+    marks.append(("sync", time.perf_counter()))
     missing = coverage.uncovered()
     if missing:
         detail = "; ".join(f"{name}: {experts}" for name, experts in missing.items())
@@ -167,7 +167,6 @@ def calibrate(
             raise UncoveredExperts(f"experts without calibration tokens: {detail}")
         logger.warning("experts without calibration tokens (policy %r): %s", uncovered, detail)
     logger.info(coverage.summary_line())
-    marks["coverage"] = time.perf_counter()
-    names = [k for k in marks if k != "start"]
-    times = [marks["start"]] + [marks[k] for k in names]
-    return CalibrationResult(model, coverage, report, {k: round(b - a, 3) for k, a, b in zip(names, times, times[1:])})
+    marks.append(("coverage", time.perf_counter()))
+    seconds = {part: round(end - start, 3) for (_, start), (part, end) in zip(marks, marks[1:])}
+    return CalibrationResult(model, coverage, report, seconds)

@@ -9,8 +9,9 @@ profile of the mid-size stand-in showed 72 syncs per forward, the GPU busy 60% o
 `deferred_checks()` (around `mtq.quantize`) makes `collect` do the same arithmetic (ModelOpt's own
 `reduce_amax` over the same axes, the running `torch.max`) without the asserts. NaN and inf are not lost:
 `torch.amax` and `torch.max` propagate both into the running amax, and `check_collected(model)` (at the end
-of the forward loop) reads every max calibrator's amax once and raises a ValueError naming each quantizer
-whose statistics are not finite, as the asserts would have (negative values after `abs` cannot arise).
+of the forward loop) reads every max calibrator's amax once and raises a ValueError naming the first
+quantizer (in module order: where NaN or inf entered, as the asserts would have found it) and how many later
+ones followed (negative values after `abs` cannot arise).
 Calibrators that keep per-call amaxes (`track_amax`) read them back anyway and keep ModelOpt's collect.
 """
 
@@ -55,15 +56,13 @@ def check_collected(model: torch.nn.Module) -> None:
     from modelopt.torch.quantization.calib.max import MaxCalibrator
     from modelopt.torch.quantization.nn import TensorQuantizer
 
+    from .sync import nan_inf
+
     named = [(name, m._calibrator._calib_amax) for name, m in model.named_modules()
              if isinstance(m, TensorQuantizer) and isinstance(getattr(m, "_calibrator", None), MaxCalibrator)
              and isinstance(m._calibrator._calib_amax, torch.Tensor)]
-    if not named:
-        return
-    device = named[0][1].device
-    flags = torch.stack([torch.stack([torch.isnan(a).any(), torch.isinf(a).any()]).to(device) for _, a in named])
-    flags = flags.cpu()  # the one host read
-    bad = [(name, "NaN" if nan else "inf") for (name, _), (nan, inf) in zip(named, flags.tolist()) if nan or inf]
+    flags = nan_inf([amax for _, amax in named])
+    bad = [(name, "NaN" if nan else "inf") for (name, _), (nan, inf) in zip(named, flags) if nan or inf]
     if bad:
         # NaN and inf flow downstream: the first quantizer in module order is where they appeared
         (first, kind), later = bad[0], len(bad) - 1

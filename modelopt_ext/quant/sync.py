@@ -117,6 +117,15 @@ def naming_nonfinite_quantizer(model: torch.nn.Module) -> Iterator[None]:
         ) from e
 
 
+def nan_inf(tensors: list[torch.Tensor]) -> list[tuple[bool, bool]]:
+    """(holds NaN, holds inf) for each tensor, read back to the host once for all of them."""
+    if not tensors:
+        return []
+    device = tensors[0].device
+    flags = torch.stack([torch.stack([torch.isnan(t).any(), torch.isinf(t).any()]).to(device) for t in tensors])
+    return [(bool(nan), bool(inf)) for nan, inf in flags.tolist()]
+
+
 def check_finite_amax(model: torch.nn.Module) -> None:
     """Raise ValueError naming every quantizer (by module name) whose amax holds NaN or inf.
 
@@ -130,11 +139,9 @@ def check_finite_amax(model: torch.nn.Module) -> None:
             named.append((name, amax.detach().float().flatten()))
     if not named:
         return
-    device = named[0][1].device
-    finite_all = torch.stack([torch.isfinite(v).all().to(device) for _, v in named]).cpu().tolist()  # one read
     bad = []
-    for (name, values), ok in zip(named, finite_all):
-        if ok:
+    for (name, values), (nan, inf) in zip(named, nan_inf([v for _, v in named])):
+        if not (nan or inf):
             continue
         finite = torch.isfinite(values)
         kinds = [k for k, n in (("NaN", torch.isnan(values)), ("inf", torch.isinf(values))) if bool(n.any())]

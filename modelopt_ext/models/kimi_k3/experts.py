@@ -27,12 +27,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import use_experts_implementation
 
-from modelopt_ext.ep.dispatch import weighted_sum
+from modelopt_ext.ep.dispatch import inverse_permutation, weighted_sum
 from modelopt_ext.ep.local import (
     Segment,
     expert_mlp,
     gather_weighted_sum,
-    inverse_permutation,
     pad_rows,
     project,
     regroup,
