@@ -12,10 +12,16 @@ experts run as soon as its rows arrive, while later chunks are still on the wire
 Send layout: slots sorted by (chunk, global expert id): per chunk, per destination rank, per local expert.
 Receive layout: per chunk, per source rank, per local expert, so each (source, expert) block is contiguous
 and the local experts run on the received buffer in place (`local.block_segments`), without a gather.
+
+The rows move through a link (`TRANSPORT`): NCCL's `all_to_all_single` (`NcclLink`), or copy engines into
+peer-mapped memory (`ep.copy_engine.CopyEngineLink`, CUDA ranks of one host), which leave the SMs to the
+experts' GEMMs. A link gives the call's sizes (`layout`, the one host sync), the receive and return buffers,
+and the two asynchronous steps per chunk (`send`, `send_back`) whose results the compute stream waits for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,7 +35,82 @@ from .local import Segment, block_segments, gather_weighted_sum
 # Chunks of the rank's tokens (C above). 1 exchanges everything, then computes, then exchanges back.
 CHUNKS = 2
 
+# How rows move between ranks: "nccl" (all_to_all_single on the process group's stream) or "copy_engine"
+# (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host).
+TRANSPORT = "nccl"
+TRANSPORTS = ("nccl", "copy_engine")
+
 RunRows = Callable[[torch.Tensor, Sequence[Segment]], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One call's host sizes. send_sizes[c][w] / recv_sizes[c][w]: rows sent to / received from rank w in chunk
+    c; recv_blocks[w][c][e]: rows received from rank w in chunk c for local expert e."""
+
+    send_sizes: list[list[int]]
+    recv_sizes: list[list[int]]
+    recv_blocks: list[list[list[int]]]
+
+    @property
+    def send_off(self) -> list[int]:  # first send row of each chunk, and the total
+        return list(_offsets(self.send_sizes))
+
+    @property
+    def recv_off(self) -> list[int]:
+        return list(_offsets(self.recv_sizes))
+
+
+def _offsets(sizes_CW: list[list[int]]):
+    row = 0
+    yield row
+    for per_rank in sizes_CW:
+        row += sum(per_rank)
+        yield row
+
+
+class NcclLink:
+    """The exchange steps through `all_to_all_single` (asynchronous, on the process group's stream)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def layout(self, send_WCE: torch.Tensor) -> Layout:
+        recv_WCE = torch.empty_like(send_WCE)
+        dist.all_to_all_single(recv_WCE, send_WCE, group=self.group)
+        send_host, recv_host = torch.stack([send_WCE, recv_WCE]).tolist()  # the one host sync
+        C = send_WCE.shape[1]
+        self.layout_ = Layout([[sum(send_host[w][c]) for w in range(len(send_host))] for c in range(C)],
+                              [[sum(recv_host[w][c]) for w in range(len(recv_host))] for c in range(C)], recv_host)
+        return self.layout_
+
+    def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return x_TH.new_empty(self.layout_.recv_off[-1], x_TH.shape[1])
+
+    def return_buffer(self, y: torch.Tensor) -> torch.Tensor:
+        return y.new_empty(self.layout_.send_off[-1], y.shape[1])
+
+    def send(self, c: int, x_TH, source_rows, send_x, recv_x):
+        lay = self.layout_
+        sent = send_x[lay.send_off[c]:lay.send_off[c + 1]]
+        torch.index_select(x_TH, 0, source_rows, out=sent)
+        return dist.all_to_all_single(recv_x[lay.recv_off[c]:lay.recv_off[c + 1]], sent, lay.recv_sizes[c],
+                                      lay.send_sizes[c], group=self.group, async_op=True)
+
+    def send_back(self, c: int, y, back):
+        lay = self.layout_
+        return dist.all_to_all_single(back[lay.send_off[c]:lay.send_off[c + 1]], y, lay.send_sizes[c],
+                                      lay.recv_sizes[c], group=self.group, async_op=True)
+
+
+def _link(transport: str, group, x_TH: torch.Tensor):
+    if transport == "nccl":
+        return NcclLink(group)
+    if transport == "copy_engine":
+        from .copy_engine import CopyEngineLink
+
+        return CopyEngineLink(group, x_TH)
+    raise ValueError(f"EP transport {transport!r}; expected one of {TRANSPORTS}")
 
 
 def _chunk_keys(ids_TK: torch.Tensor, chunks: int, num_global_experts: int) -> torch.Tensor:
@@ -39,44 +120,36 @@ def _chunk_keys(ids_TK: torch.Tensor, chunks: int, num_global_experts: int) -> t
 
 
 def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_local_experts: int,
-                   group, run_rows: RunRows, chunks: int | None = None) -> torch.Tensor:
+                   group, run_rows: RunRows, chunks: int | None = None, transport: str | None = None
+                   ) -> torch.Tensor:
     """[T, H]: each token's K expert outputs (computed on the experts' owner ranks) weighted and summed.
 
     Args:
         x_TH: this rank's tokens; ids_TK: int64 global expert ids in [0, W*E); weights_TK: routing weights.
         run_rows: `(rows [R, H], segments) -> [R, H_out]` the local experts on received rows, row order kept.
         chunks: C (default `CHUNKS`); the same on every rank of the group, whatever its T.
+        transport: how rows move (default `TRANSPORT`, see `TRANSPORTS`); the same on every rank.
     """
     if torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad):
         raise RuntimeError("overlapped_moe is inference-only (no autograd through its exchanges); "
                            "call it under torch.no_grad() or use ep.dispatch")
-    mark_exchange()
-    W, E = dist.get_world_size(group), num_local_experts
-    T, K = ids_TK.shape
     C = chunks or CHUNKS  # every rank must use the same C (one exchange per chunk); chunks may be empty
     if C < 1:
         raise ValueError(f"chunks must be >= 1, got {C}")
+    link = _link(transport or TRANSPORT, group, x_TH)
+    mark_exchange()
+    W, E = dist.get_world_size(group), num_local_experts
+    T, K = ids_TK.shape
     key_S = _chunk_keys(ids_TK, C, W * E)
     order_S = torch.argsort(key_S, stable=True)
-    send_WCE = count_ids(key_S, C * W * E).view(C, W, E).transpose(0, 1).contiguous()
-    recv_WCE = torch.empty_like(send_WCE)
-    dist.all_to_all_single(recv_WCE, send_WCE, group=group)
-    send_host, recv_host = torch.stack([send_WCE, recv_WCE]).tolist()  # the one host sync
-    send_sizes = [[sum(send_host[w][c]) for w in range(W)] for c in range(C)]
-    recv_sizes = [[sum(recv_host[w][c]) for w in range(W)] for c in range(C)]
-    send_off = [sum(map(sum, send_sizes[:c])) for c in range(C + 1)]
-    recv_off = [sum(map(sum, recv_sizes[:c])) for c in range(C + 1)]
+    lay = link.layout(count_ids(key_S, C * W * E).view(C, W, E).transpose(0, 1).contiguous())
+    send_off, recv_off = lay.send_off, lay.recv_off
     token_off = [(c * T + C - 1) // C for c in range(C + 1)]  # chunk c: tokens t with t * C // T == c
     # Chunk by chunk: gather its send rows, then issue its exchange, so chunk c+1's gather overlaps chunk c's.
     source_S = order_S // K
     send_x = x_TH.new_empty(send_off[C], x_TH.shape[1])
-    recv_x = x_TH.new_empty(recv_off[C], x_TH.shape[1])
-    arrivals = []
-    for c in range(C):
-        sent = send_x[send_off[c]:send_off[c + 1]]
-        torch.index_select(x_TH, 0, source_S[send_off[c]:send_off[c + 1]], out=sent)
-        arrivals.append(dist.all_to_all_single(recv_x[recv_off[c]:recv_off[c + 1]], sent, recv_sizes[c],
-                                               send_sizes[c], group=group, async_op=True))
+    recv_x = link.receive_buffer(x_TH)
+    arrivals = [link.send(c, x_TH, source_S[send_off[c]:send_off[c + 1]], send_x, recv_x) for c in range(C)]
     inverse_S = inverse_permutation(order_S)
     back = out = None
     returns = []
@@ -89,11 +162,10 @@ def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.T
 
     for c in range(C):
         arrivals[c].wait()
-        y = run_rows(recv_x[recv_off[c]:recv_off[c + 1]], block_segments([recv_host[w][c] for w in range(W)]))
+        y = run_rows(recv_x[recv_off[c]:recv_off[c + 1]], block_segments([lay.recv_blocks[w][c] for w in range(W)]))
         if back is None:
-            back, out = y.new_empty(send_off[C], y.shape[1]), y.new_empty(T, y.shape[1])
-        returns.append(dist.all_to_all_single(back[send_off[c]:send_off[c + 1]], y, send_sizes[c], recv_sizes[c],
-                                              group=group, async_op=True))
+            back, out = link.return_buffer(y), y.new_empty(T, y.shape[1])
+        returns.append(link.send_back(c, y, back))
         if c:  # enqueued after chunk c's experts, so chunk c-1's return overlaps them
             finish(c - 1)
     finish(C - 1)

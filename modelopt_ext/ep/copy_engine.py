@@ -1,0 +1,250 @@
+"""The EP exchange of `ep.overlap` through the GPUs' copy engines into peer-mapped memory (one host, CUDA).
+
+NCCL's all_to_all runs as kernels on the SMs. Overlapped with the experts' GEMMs, which are sized to fill every
+SM, the two contend, so chunking the layer hid little of the exchange (docs/performance.md). Here rows move
+with `cudaMemcpyAsync` between peer-mapped buffers (PyTorch's symmetric memory, CUDA backend): the copy engines
+do the transfer over NVLink and the SMs stay with the GEMMs. Only one-block barrier kernels run on SMs.
+
+Per rank, one symmetric buffer holds two regions: received rows (layout [chunk][source][local expert], as
+NCCL's exchange delivers them) and returned expert outputs (this rank's send layout [chunk][destination][local
+expert]). A call, on one side stream (`_streams`):
+  1. a barrier: every rank has finished with its buffers from the previous call (each rank's side stream
+     first waits for its compute stream);
+  2. per chunk, once its send rows are gathered (rows for this rank itself are gathered straight into its own
+     receive region): a copy into each peer's receive region, then a barrier, so every chunk-c row for this
+     rank has arrived when it completes;
+  3. per chunk, once its experts ran: each source's block of outputs copied into that source's return region
+     (this rank's own block on a second side stream), then a barrier.
+The compute stream waits for these with events; the host never waits. Offsets on peers come from one
+all_gather of every rank's per-chunk counts, read back with the call's one host sync (the same sync NCCL's
+split sizes need). The buffer grows, with a device synchronize and a collective rendezvous, when a call needs
+more than it holds; every rank computes the same size from the same counts, so all grow together. Barriers
+time out after `BARRIER_TIMEOUT_MS` (the kernel traps: the CUDA error fails the rank instead of a hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+BARRIER_TIMEOUT_MS = 300_000
+HEADROOM = 1.25  # a grown buffer holds this much more than the call that grew it needed
+_GRANULE = 64 << 20  # bytes; buffer sizes are rounded up to this
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerPlan:
+    """Where one rank's rows land on the other ranks, from every rank's rows per (source, destination, chunk).
+
+    into_recv[c][p]: first row, in p's receive region, of the chunk-c rows this rank sends p.
+    into_back[c][p]: first row, in p's return region, of the outputs for the chunk-c rows p sent this rank.
+    back_base[p]: rows in p's receive region (its return region starts after them).
+    capacity_rows: the largest receive + return row count over all ranks (what every buffer must hold).
+    """
+
+    into_recv: list[list[int]]
+    into_back: list[list[int]]
+    back_base: list[int]
+    capacity_rows: int
+
+
+def peer_plan(rows_SDC: list[list[list[int]]], rank: int) -> PeerPlan:
+    """The plan for `rank` from rows_SDC[s][d][c], the rows rank s sends rank d in chunk c (host ints).
+
+    Receive layout of rank p: chunk-major, then source rank. Send (and return) layout of rank p: chunk-major,
+    then destination rank. Within a (chunk, rank) block rows are ordered by local expert on both sides.
+    """
+    W = len(rows_SDC)
+    C = len(rows_SDC[0][0]) if W else 0
+    into_recv = [[0] * W for _ in range(C)]
+    into_back = [[0] * W for _ in range(C)]
+    recv_total = [0] * W
+    send_total = [0] * W
+    for p in range(W):
+        recv_row = send_row = 0
+        for c in range(C):
+            for s in range(W):
+                if s == rank:
+                    into_recv[c][p] = recv_row
+                recv_row += rows_SDC[s][p][c]
+            for d in range(W):
+                if d == rank:
+                    into_back[c][p] = send_row
+                send_row += rows_SDC[p][d][c]
+        recv_total[p], send_total[p] = recv_row, send_row
+    capacity = max((recv_total[p] + send_total[p] for p in range(W)), default=0)
+    return PeerPlan(into_recv, into_back, recv_total, capacity)
+
+
+class _Buffer:
+    """One rank's symmetric buffer for a process group and device, grown collectively."""
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
+        self.nbytes = 0
+        self.tensor = self.handle = None
+
+    def ensure(self, nbytes: int) -> None:
+        if nbytes <= self.nbytes:
+            return
+        import torch.distributed._symmetric_memory as symm_mem
+
+        size = math.ceil(nbytes * HEADROOM / _GRANULE) * _GRANULE
+        if self.handle is not None:
+            # Kernels and copies of earlier calls may still use the old buffer, here and (through it) on peers.
+            torch.cuda.synchronize(self.device)
+            self.tensor = self.handle = None
+        self.tensor = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(self.tensor, self.group.group_name)
+        self.nbytes = size
+        if dist.get_rank(self.group) == 0:
+            logger.info("copy-engine exchange: %.2f GiB of peer-mapped memory per rank", size / 2**30)
+
+    def rows(self, rank: int, first_row: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, width] view of `rank`'s buffer starting at row `first_row` (rows of `width` x dtype)."""
+        return self.handle.get_buffer(rank, (rows, width), dtype, first_row * width)
+
+
+_buffers: dict[tuple[str, int], _Buffer] = {}
+_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def _buffer(group, device: torch.device) -> _Buffer:
+    key = (group.group_name, device.index)
+    if key not in _buffers:
+        _buffers[key] = _Buffer(group, device)
+    return _buffers[key]
+
+
+def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(peer copies and barriers, high priority so the one-block barriers start between GEMM blocks; copies
+    within this rank)."""
+    if device.index not in _streams:
+        _streams[device.index] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device))
+    return _streams[device.index]
+
+
+class _Arrived:
+    """An exchange step the compute stream can wait for (like a c10d Work, without a host wait)."""
+
+    def __init__(self, *events: torch.cuda.Event):
+        self.events = events
+
+    def wait(self) -> None:
+        stream = torch.cuda.current_stream()
+        for event in self.events:
+            stream.wait_event(event)
+
+
+def _recorded(stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class CopyEngineLink:
+    """The exchange steps `ep.overlap.overlapped_moe` takes, through copy engines (see the module doc)."""
+
+    def __init__(self, group, x_TH: torch.Tensor):
+        if not x_TH.is_cuda:
+            raise ValueError(f"the copy-engine exchange needs CUDA tensors; the tokens are on {x_TH.device} "
+                             "(use the 'nccl' transport)")
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device, self.dtype, self.width = x_TH.device, x_TH.dtype, x_TH.shape[1]
+        self.buffer = _buffer(group, self.device)
+        self.peer_stream, self.self_stream = _side_streams(self.device)
+
+    def layout(self, send_WCE: torch.Tensor):
+        """Every rank's counts (one all_gather, one host read) -> this call's `overlap.Layout`; grows the
+        buffer when needed and opens the call with a barrier."""
+        from .overlap import Layout
+
+        W, C, E = send_WCE.shape
+        every = torch.empty(W, W, C, E, dtype=send_WCE.dtype, device=send_WCE.device)
+        dist.all_gather_into_tensor(every, send_WCE.contiguous(), group=self.group)
+        flat = torch.cat([every.sum(-1).reshape(-1), every[:, self.rank].reshape(-1)]).tolist()  # the host sync
+        rows_SDC = [[flat[(s * W + d) * C:(s * W + d + 1) * C] for d in range(W)] for s in range(W)]
+        base = W * W * C
+        recv_host = [[flat[base + (s * C + c) * E:base + (s * C + c + 1) * E] for c in range(C)] for s in range(W)]
+        self.plan = peer_plan(rows_SDC, self.rank)
+        self.buffer.ensure(self.plan.capacity_rows * self.width * self.dtype.itemsize)
+        self.peer_stream.wait_stream(torch.cuda.current_stream())
+        self.self_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.peer_stream):
+            self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        self.layout_ = Layout([[rows_SDC[self.rank][d][c] for d in range(W)] for c in range(C)],
+                              [[rows_SDC[s][self.rank][c] for s in range(W)] for c in range(C)], recv_host)
+        return self.layout_
+
+    def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.buffer.rows(self.rank, 0, self.layout_.recv_off[-1], self.width, self.dtype)
+
+    def return_buffer(self, y: torch.Tensor) -> torch.Tensor:
+        if y.dtype != self.dtype or y.shape[1] != self.width:
+            raise ValueError(f"the copy-engine exchange returns rows like the tokens ({self.dtype}, width "
+                             f"{self.width}); the experts gave {y.dtype}, width {y.shape[1]}")
+        return self.buffer.rows(self.rank, self.plan.back_base[self.rank], self.layout_.send_off[-1], self.width,
+                                self.dtype)
+
+    def send(self, c: int, x_TH: torch.Tensor, source_rows: torch.Tensor, send_x: torch.Tensor,
+             recv_x: torch.Tensor) -> _Arrived:
+        """Gather chunk c's send rows (this rank's own straight into its receive region), copy each peer's
+        block into the peer's receive region, barrier."""
+        lay, me = self.layout_, self.rank
+        first = lay.send_off[c]
+        starts = [first + sum(lay.send_sizes[c][:d]) for d in range(self.world + 1)]
+        mine = slice(starts[me] - first, starts[me + 1] - first)
+        own_at = lay.recv_off[c] + sum(lay.recv_sizes[c][:me])
+        torch.index_select(x_TH, 0, source_rows[mine], out=recv_x[own_at:own_at + lay.send_sizes[c][me]])
+        for part in (slice(0, mine.start), slice(mine.stop, None)):
+            rows = source_rows[part]
+            if rows.numel():
+                at = first + (part.start or 0)
+                torch.index_select(x_TH, 0, rows, out=send_x[at:at + rows.numel()])
+        send_x.record_stream(self.peer_stream)
+        gathered = _recorded(torch.cuda.current_stream())
+        with torch.cuda.stream(self.peer_stream):
+            self.peer_stream.wait_event(gathered)
+            for p in self._peers():
+                n = lay.send_sizes[c][p]
+                if n:
+                    self.buffer.rows(p, self.plan.into_recv[c][p], n, self.width, self.dtype).copy_(
+                        send_x[starts[p]:starts[p] + n])
+            self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+            return _Arrived(_recorded(self.peer_stream))
+
+    def send_back(self, c: int, y: torch.Tensor, back: torch.Tensor) -> _Arrived:
+        """Chunk c's expert outputs (receive layout) to their sources' return regions; this rank's own block
+        into its own return region on the second side stream."""
+        lay, me = self.layout_, self.rank
+        starts = [sum(lay.recv_sizes[c][:s]) for s in range(self.world + 1)]
+        done = _recorded(torch.cuda.current_stream())
+        y.record_stream(self.peer_stream)
+        y.record_stream(self.self_stream)
+        with torch.cuda.stream(self.self_stream):
+            self.self_stream.wait_event(done)
+            n = lay.recv_sizes[c][me]
+            at = lay.send_off[c] + sum(lay.send_sizes[c][:me])
+            if n:
+                back[at:at + n].copy_(y[starts[me]:starts[me] + n])
+            own = _recorded(self.self_stream)
+        with torch.cuda.stream(self.peer_stream):
+            self.peer_stream.wait_event(done)
+            for p in self._peers():
+                n = lay.recv_sizes[c][p]
+                if n:
+                    self.buffer.rows(p, self.plan.back_base[p] + self.plan.into_back[c][p], n, self.width,
+                                     self.dtype).copy_(y[starts[p]:starts[p] + n])
+            self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+            return _Arrived(_recorded(self.peer_stream), own)
+
+    def _peers(self) -> list[int]:
+        # rank + 1 first: at W > 2 the ranks start on different peers rather than all copying to rank 0
+        return [(self.rank + step) % self.world for step in range(1, self.world)]
