@@ -186,7 +186,8 @@ def _summary(**changes) -> ptq.PtqSummary:
     fields = dict(export_dir="/out", recipe="kimi_k3/fp8_all", world_size=2, ep_size=2, seconds=seconds)
     fields.update(tokens=[1000, 1000], peak_host_bytes=[3 * 2**30, 2**31], peak_device_bytes=[None, None])
     fields.update(bytes_read=[5 * 2**20, 6 * 2**20], bytes_written=[2048, 512], coverage="expert coverage: 4/4")
-    fields.update(calibrate_parts=[{"convert": 0.5, "forward": 1.5}, {"convert": 0.5, "forward": 2.0}])
+    fields.update(calibrate_parts=[{"convert": 0.5, "first_batch": 0.5, "forward": 1.0},
+                                   {"convert": 0.5, "first_batch": 0.25, "forward": 1.75}])  # slowest: 2.0 s
     return ptq.PtqSummary(**{**fields, **changes})
 
 
@@ -250,7 +251,8 @@ def test_single_process(single_run):
     # the calibrate phase's parts, in order, add up to no more than the phase; the forward loop's rate is at
     # least the phase's
     parts = summary["calibrate_parts"][0]
-    assert list(parts) == ["convert", "forward", "finish", "sync", "coverage"] and parts["forward"] > 0
+    assert list(parts) == ["convert", "first_batch", "forward", "finish", "sync", "coverage"]
+    assert parts["first_batch"] > 0 and parts["forward"] > 0
     assert sum(parts.values()) <= summary["seconds"]["calibrate"] + 0.01
     assert summary["forward_tokens_per_s"] >= summary["tokens_per_s"]
     assert lines[start + 1 :] == ptq.PtqSummary(**fields).lines()[1:]

@@ -51,8 +51,8 @@ class CalibrationResult:
     coverage: Coverage
     sync: dict[str, Any] | None
     # this rank's host wall clock per part (GPU work queued in one part may finish in the next): "convert"
-    # (ModelOpt's conversion, up to the first batch), "forward" (the batches and the deferred statistics check,
-    # which reads back), "finish" (ModelOpt after the loop: weight statistics), "sync" (amax sync under
+    # (ModelOpt's conversion, up to the first batch), "first_batch" (the first forward, to a device synchronize:
+    # first-call costs), "forward" (the other batches and the deferred statistics check, which reads back), "finish" (ModelOpt after the loop: weight statistics), "sync" (amax sync under
     # torch.distributed and the finiteness check), "coverage" (the count summed over ranks and its checks)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -147,6 +147,10 @@ def calibrate(
                     mark(f"calibrate batch {i + 1}/{len(batches)}")
                     with profiler.batch(i) if profiler is not None else contextlib.nullcontext():
                         m(**batch, use_cache=False)
+                    if i == 0:  # first-call costs (kernel choices, caches) apart from the steady loop
+                        if torch.cuda.is_available() and torch.cuda.is_initialized():
+                            torch.cuda.synchronize()
+                        marks.append(("first_batch", time.perf_counter()))
                     if progress is not None:
                         progress(i + 1)
             if profiler is not None:
