@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelopt_ext.ep import local
+from modelopt_ext.ep import local, overlap
 from modelopt_ext.ep.backend import run_local_experts
 from modelopt_ext.ep.dispatch import combine, count_ids, dispatch, inverse_permutation
 from modelopt_ext.ep.overlap import overlapped_moe
@@ -163,6 +163,76 @@ def segment_rule(min_rows: int):
         local.SEGMENT_MIN_ROWS = saved
 
 
+@contextlib.contextmanager
+def transport(name: str):
+    saved, overlap.TRANSPORT = overlap.TRANSPORT, name
+    try:
+        yield
+    finally:
+        overlap.TRANSPORT = saved
+
+
+def bench_copy_engine(x, ids, weights, E, group, meta, timed, t, chunks) -> None:
+    """Dispatch+combine through the copy engines, and the raw copy-engine exchange of the same rows: each peer's
+    rows copied into its peer-mapped buffer and back, with the barriers that make them visible."""
+    from modelopt_ext.ep import copy_engine
+
+    for c in chunks:
+        t[f"exchange_ce_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r, chunks=c,
+                                                              transport="copy_engine"))
+    rank, W, H = dist.get_rank(group), dist.get_world_size(group), x.shape[1]
+    buf = copy_engine._buffer(group, x.device)
+    send = x.new_empty(sum(meta.send_sizes), H).normal_()
+    recv_rows = sum(meta.recv_sizes)
+    every = [None] * W
+    dist.all_gather_object(every, (list(meta.send_sizes), list(meta.recv_sizes)), group=group)
+    plan = copy_engine.peer_plan([[[every[s][0][d]] for d in range(W)] for s in range(W)], rank)
+    buf.ensure(plan.capacity_rows * H * x.dtype.itemsize)
+    starts = [sum(meta.send_sizes[:d]) for d in range(W)]
+    rstarts = [sum(meta.recv_sizes[:s]) for s in range(W)]
+    mine = buf.rows(rank, 0, recv_rows, H, x.dtype)
+
+    def raw_ce():
+        for p in [(rank + k) % W for k in range(W)]:  # own rows too (a local copy-engine copy), as NCCL does
+            n = meta.send_sizes[p]
+            if n:
+                buf.rows(p, plan.into_recv[0][p], n, H, x.dtype).copy_(send[starts[p]:starts[p] + n])
+        buf.handle.barrier(channel=0, timeout_ms=copy_engine.BARRIER_TIMEOUT_MS)
+        for p in [(rank + k) % W for k in range(W)]:
+            n = meta.recv_sizes[p]
+            if n:
+                buf.rows(p, plan.back_base[p] + plan.into_back[0][p], n, H, x.dtype).copy_(
+                    mine[rstarts[p]:rstarts[p] + n])
+        buf.handle.barrier(channel=0, timeout_ms=copy_engine.BARRIER_TIMEOUT_MS)
+
+    t["raw_copy_engine"] = timed(raw_ce)
+
+
+def trace_overlap(layers: dict, args, out_dir: Path, tokens: int) -> dict:
+    """Profile a few calls of each transport's layer (C = the middle chunk count) and summarise how the GPU
+    work overlapped (`profiling.stream_overlap`); rank 0 keeps the traces."""
+    from modelopt_ext.profiling import stream_overlap
+
+    c = args.chunks[len(args.chunks) // 2]
+    result = {}
+    for name, layer in layers.items():
+        if name not in args.transports:
+            continue
+        layer(c)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                layer(c)
+            torch.cuda.synchronize()
+        path = out_dir / f"trace_{name}_c{c}_{tokens}_rank{dist.get_rank()}.json"
+        prof.export_chrome_trace(str(path))
+        result[name] = {"chunks": c, "calls": 3, **stream_overlap(path)}
+        if dist.get_rank() != 0:
+            path.unlink()
+    return result
+
+
 def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
     W, rank = dist.get_world_size(), dist.get_rank()
     H, I, E, K = args.hidden, args.inter, args.local_experts, args.top_k
@@ -209,7 +279,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         # the experts block
         with segment_rule(0):  # one cuBLAS GEMM per [source][expert] block, whatever its size
             t["experts_segments"] = timed(lambda: experts.run_rows(recv_x, segments))
-            for form in experts_module.GLU_FORMS[1:3]:  # the default's alternatives on GPUs
+            for form in [f for f in experts_module.GLU_FORMS[1:] if f != "eager"]:  # the default's alternatives
                 saved, experts_module.GLU_ON_CUDA = experts_module.GLU_ON_CUDA, form
                 t[f"experts_segments_glu_{form}"] = timed(lambda: experts.run_rows(recv_x, segments))
                 experts_module.GLU_ON_CUDA = saved
@@ -236,6 +306,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
             return combine(rx, weights, m, group)
 
         t["exchange_before"] = timed(exchange_before)
+        if "copy_engine" in args.transports:
+            bench_copy_engine(x, ids, weights, E, group, meta, timed, t, args.chunks)
 
         # the whole layer
         def layer_before():
@@ -248,9 +320,17 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
             i, w = router(x, w_router, K)
             return overlapped_moe(x, i, w, E, group, experts.run_rows, chunks=c)
 
+        def layer_ce(c):
+            i, w = router(x, w_router, K)
+            return overlapped_moe(x, i, w, E, group, experts.run_rows, chunks=c, transport="copy_engine")
+
         t["layer_before"] = timed(layer_before)
         for c in args.chunks:
             t[f"layer_ours_c{c}"] = timed(lambda: layer_ours(c))
+            if "copy_engine" in args.transports:
+                t[f"layer_ce_c{c}"] = timed(lambda: layer_ce(c))
+        if args.trace and dev == "cuda":
+            out["overlap"] = trace_overlap({"nccl": layer_ours, "copy_engine": layer_ce}, args, Path(args.out), tokens)
         # a new routing on every call (as in calibration: every batch routes differently), so per-shape host
         # costs (cuBLAS heuristics for a row count it has not seen) show; default segment rule, then forced
         variants = iter([x + 0.05 * torch.randn_like(x) for _ in range(args.warmup + args.reps)] * 2)
@@ -262,6 +342,9 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
 
         c_mid = args.chunks[len(args.chunks) // 2]
         t[f"layer_ours_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
+        if "copy_engine" in args.transports:
+            with transport("copy_engine"):
+                t[f"layer_ce_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
         with segment_rule(0):
             t[f"layer_ours_c{c_mid}_varying_per_block"] = timed(lambda: layer_varying(c_mid))
         variants = None  # free the inputs
@@ -279,6 +362,9 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                 torch.backends.cuda.preferred_blas_library("default")
         y_before, y_ours = layer_before().float(), layer_ours(args.chunks[-1]).float()
         out["layer_max_abs_diff"] = float((y_ours - y_before).abs().max())
+        if "copy_engine" in args.transports:  # same rows, same arithmetic: bit-identical expected
+            for c in args.chunks:
+                out[f"layer_ce_c{c}_identical_to_nccl"] = bool(torch.equal(layer_ce(c), layer_ours(c)))
         out["layer_ref_max_abs"] = float(y_before.abs().max())
     out["ms"] = t
     return out
@@ -287,7 +373,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
 def summarize(run: dict, matmul_tflops: float) -> dict:
     t = run["ms"]
     parts = t["bare_grouped_gemms"] + t["raw_all_to_all"]
-    layers = {k: v for k, v in t.items() if k.startswith("layer_ours_c")}
+    layers = {k: v for k, v in t.items() if k.startswith(("layer_ours_c", "layer_ce_c"))}
     best = min(layers, key=layers.get)
     blocks = ("dense_same_shapes", "bare_grouped_gemms", "bare_segment_gemms", "experts_segments", "experts_grouped",
               "experts_transformers", *(k for k in t if k.startswith(("experts_segments_", "bare_segment_gemms_"))))
@@ -299,6 +385,12 @@ def summarize(run: dict, matmul_tflops: float) -> dict:
             "TFLOPs": tflops, **{f"{k}_over_matmul": v / matmul_tflops for k, v in tflops.items()},
             "raw_over_exchange_ours": t["raw_all_to_all"] / min(v for k, v in t.items()
                                                                  if k.startswith("exchange_ours")),
+            **({"raw_over_exchange_ce": t["raw_all_to_all"] / min(v for k, v in t.items()
+                                                                  if k.startswith("exchange_ce")),
+                "raw_copy_engine_over_exchange_ce": t["raw_copy_engine"] / min(v for k, v in t.items()
+                                                                               if k.startswith("exchange_ce")),
+                "raw_over_raw_copy_engine": t["raw_all_to_all"] / t["raw_copy_engine"]}
+               if "raw_copy_engine" in t else {}),
             "experts_segments_over_dense_same_shapes": t["dense_same_shapes"] / t["experts_segments"],
             "raw_over_exchange_before": t["raw_all_to_all"] / t["exchange_before"],
             "dequant_fused_over_bare_gemms": t["dequant_gate_up_fused"] / t["bare_grouped_gemms"]}
@@ -318,13 +410,18 @@ def main() -> None:
     parser.add_argument("--local-experts", type=int, default=14)
     parser.add_argument("--top-k", type=int, default=16)
     parser.add_argument("--row-tiles", type=int, nargs="+", default=[])
-    parser.add_argument("--carveouts", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--carveouts", type=int, nargs="+", default=[])
+    parser.add_argument("--transports", nargs="+", default=None, choices=list(overlap.TRANSPORTS),
+                        help="EP links to measure (default: both on GPUs, nccl on CPUs)")
+    parser.add_argument("--trace", action="store_true", help="profile each transport's layer (GPUs)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     dev = args.device
+    if args.transports is None:
+        args.transports = list(overlap.TRANSPORTS) if dev == "cuda" else ["nccl"]
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if dev == "cuda" else "gloo")
@@ -350,14 +447,20 @@ def main() -> None:
             print(f"--- {r['tokens_per_rank']} tokens/rank, {r['rows']} rows received")
             print("  ms: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
             print(f"  layer/parts: ours {s['layer_ours_over_parts']:.2f} ({s['best_layer']}; "
-                  + ", ".join(f"{k[11:-11]} {v:.2f}" for k, v in s.items()
-                              if k.startswith("layer_ours_c") and k.endswith("_over_parts"))
+                  + ", ".join(f"{k[6:-11]} {v:.2f}" for k, v in s.items()
+                              if k.startswith(("layer_ours_c", "layer_ce_c")) and k.endswith("_over_parts"))
                   + f"), before {s['layer_before_over_parts']:.2f}; parts {s['parts_ms']:.2f} ms")
             print("  experts TFLOP/s (/matmul): " + ", ".join(
                 f"{k} {v:.0f} ({s[f'{k}_over_matmul']:.2f})" for k, v in s["TFLOPs"].items()))
             print(f"  raw/dispatch+combine: ours {s['raw_over_exchange_ours']:.2f}, before "
                   f"{s['raw_over_exchange_before']:.2f}; dequant fused/bare GEMMs "
                   f"{s['dequant_fused_over_bare_gemms']:.3f} (identical: {r['dequant_fused_identical']})")
+            if "raw_over_exchange_ce" in s:
+                print(f"  copy engines: raw NCCL / ours {s['raw_over_exchange_ce']:.2f}, raw CE / ours "
+                      f"{s['raw_copy_engine_over_exchange_ce']:.2f}, "
+                      f"raw NCCL / raw CE {s['raw_over_raw_copy_engine']:.2f}")
+            for name, o in r.get("overlap", {}).items():
+                print(f"  overlap {name}: " + json.dumps(o.get("0", o))[:600])
             print("  SiTU-GLU vs float64, max |diff| / max bf16 ulps: " + ", ".join(
                 f"{k[4:-13]} {r[k]:.2e} / {r[k[:-13] + '_max_bf16_ulps']:.2f}" for k in r
                 if k.startswith("glu_") and k.endswith("_max_abs_diff")))

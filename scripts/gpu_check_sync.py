@@ -8,9 +8,10 @@ On every rank (one GPU each):
      `torch.cuda.set_sync_debug_mode("error")` (any device-to-host sync raises), compared with the eager
      fp32 forward of the same weights on the CPU (some slots routed to the EP sentinel);
   2. expert parallel over all ranks: `ep.overlap.overlapped_moe` under sync debug mode "warn", with the
-     received blocks regrouped (the default for blocks this small) and with one GEMM per block, counting the
-     syncs (the design has exactly one: the split sizes NCCL's all_to_all_single needs on the host), and
-     compared with `ep.dispatch` + the CPU reference of each rank's experts.
+     received blocks regrouped (the default for blocks this small) and with one GEMM per block, each through
+     NCCL and through the copy engines (`ep.copy_engine`), counting the syncs (the design has exactly one: the
+     split sizes the exchange needs on the host), compared with `ep.dispatch` + the CPU reference of each
+     rank's experts, and the copy-engine results with NCCL's bit for bit.
 Exits non-zero on a failed check; rank 0 writes DIR/check_sync.json.
 """
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from modelopt_ext.ep import local
 from modelopt_ext.ep.dispatch import combine, dispatch
-from modelopt_ext.ep.overlap import overlapped_moe
+from modelopt_ext.ep.overlap import TRANSPORTS, overlapped_moe
 from modelopt_ext.formats.mxfp4 import quantize_mxfp4
 from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts, KimiK3PackedExperts
@@ -56,9 +57,9 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_one_process(seed: int) -> dict:
-    """Each GPU SiTU-GLU form of `experts.GLU_FORMS` (Triton precise and approximate tanh, compiled)."""
+    """Each GPU SiTU-GLU form of `experts.GLU_FORMS` (the Triton kernels and the compiled form)."""
     out = {}
-    for form in experts_module.GLU_FORMS[:3]:
+    for form in [f for f in experts_module.GLU_FORMS if f != "eager"]:
         experts_module.GLU_ON_CUDA = form
         out.update({f"{name}_{form}": v for name, v in _check_one_process(seed).items()})
     experts_module.GLU_ON_CUDA = experts_module.GLU_FORMS[0]
@@ -108,24 +109,30 @@ def check_ep(group, seed: int) -> dict:
         ref = combine(y.cuda(), w.cuda(), meta, group).cpu()
         gpu = experts.to("cuda", torch.bfloat16)
         args = (x.cuda().bfloat16(), ids.cuda(), w.cuda(), E, group, gpu.run_rows)
-        out = {}
-        # blocks here hold ~64 rows: the default rule regroups them; 0 forces one GEMM per block
-        for layout, min_rows in (("regrouped", local.SEGMENT_MIN_ROWS), ("per_block", 0)):
-            saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
-            try:
-                overlapped_moe(*args)  # compile and warm up
-                torch.cuda.synchronize()
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        got = overlapped_moe(*args)
-                    finally:
-                        torch.cuda.set_sync_debug_mode(0)
-            finally:
-                local.SEGMENT_MIN_ROWS = saved
-            syncs = [str(c.message).splitlines()[0] for c in caught if "synchroniz" in str(c.message)]
-            out[layout] = {"rel_error": rel_error(got, ref), "syncs": len(syncs), "sync_messages": syncs[:4]}
+        out, results = {}, {}
+        # blocks here hold ~64 rows: the default rule regroups them; 0 forces one GEMM per block. Each through
+        # NCCL and through the copy engines (whose first call allocates the peer-mapped buffer: warm-up).
+        for transport in TRANSPORTS:
+            for layout, min_rows in (("regrouped", local.SEGMENT_MIN_ROWS), ("per_block", 0)):
+                name = layout if transport == "nccl" else f"{layout}_{transport}"
+                saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
+                try:
+                    overlapped_moe(*args, transport=transport)  # compile and warm up
+                    torch.cuda.synchronize()
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        torch.cuda.set_sync_debug_mode("warn")
+                        try:
+                            got = overlapped_moe(*args, transport=transport)
+                        finally:
+                            torch.cuda.set_sync_debug_mode(0)
+                finally:
+                    local.SEGMENT_MIN_ROWS = saved
+                syncs = [str(c.message).splitlines()[0] for c in caught if "synchroniz" in str(c.message)]
+                out[name] = {"rel_error": rel_error(got, ref), "syncs": len(syncs), "sync_messages": syncs[:4]}
+                results[name] = got
+                if transport != "nccl":  # same rows, same arithmetic: the same bits as through NCCL
+                    out[name]["identical_to_nccl"] = bool(torch.equal(got, results[layout]))
     return out
 
 
@@ -144,6 +151,8 @@ def main() -> None:
             failures.append(f"ep {layout}: rel error {v['rel_error']:.3e} > {TOLERANCE}")
         if v["syncs"] > 1:
             failures.append(f"ep {layout}: {v['syncs']} syncs, expected 1: {v['sync_messages']}")
+        if v.get("identical_to_nccl") is False:
+            failures.append(f"ep {layout}: differs from the same layout through NCCL")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"result": result, "failures": failures})
     if dist.get_rank() == 0:
