@@ -225,6 +225,7 @@ def trace_overlap(layers: dict, args, out_dir: Path, tokens: int) -> dict:
             for _ in range(3):
                 layer(c)
             torch.cuda.synchronize()
+        out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"trace_{name}_c{c}_{tokens}_rank{dist.get_rank()}.json"
         prof.export_chrome_trace(str(path))
         result[name] = {"chunks": c, "calls": 3, **stream_overlap(path)}
@@ -330,7 +331,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
             if "copy_engine" in args.transports:
                 t[f"layer_ce_c{c}"] = timed(lambda: layer_ce(c))
         if args.trace and dev == "cuda":
-            out["overlap"] = trace_overlap({"nccl": layer_ours, "copy_engine": layer_ce}, args, Path(args.out), tokens)
+            out["overlap"] = trace_overlap({"nccl": layer_ours, "copy_engine": layer_ce}, args, Path(args.trace_dir),
+                                           tokens)
         # a new routing on every call (as in calibration: every batch routes differently), so per-shape host
         # costs (cuBLAS heuristics for a row count it has not seen) show; default segment rule, then forced
         variants = iter([x + 0.05 * torch.randn_like(x) for _ in range(args.warmup + args.reps)] * 2)
@@ -414,6 +416,7 @@ def main() -> None:
     parser.add_argument("--transports", nargs="+", default=None, choices=list(overlap.TRANSPORTS),
                         help="EP links to measure (default: both on GPUs, nccl on CPUs)")
     parser.add_argument("--trace", action="store_true", help="profile each transport's layer (GPUs)")
+    parser.add_argument("--trace-dir", default="/tmp/bench_ep_traces", help="where rank 0 keeps the traces")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

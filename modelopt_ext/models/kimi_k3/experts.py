@@ -62,12 +62,17 @@ def _situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linea
     return act.to(gate.dtype)
 
 
-# How the activation runs on CUDA (measured side by side in docs/performance.md, `scripts/bench_ep.py`):
-# "triton" (`kernels.situ_glu`: reads the 16-bit gate/up output once, fp32 in registers, writes the 16-bit
-# product; libdevice tanh), "triton-approx" (the same with the GPU's tanh.approx instruction), "compile"
-# (`torch.compile` of the fp32 reference), "eager" (the reference: ~10 elementwise passes over fp32 temporaries).
+# How the activation runs on CUDA (`scripts/bench_ep.py` measures the forms side by side; docs/performance.md):
+# the "triton*" forms are `kernels.situ_glu` (reads the 16-bit gate/up output once, fp32 in registers, writes the
+# 16-bit product): "triton" its "exp2" form (tanh and sigmoid from exp2, one reciprocal per element; its CPU
+# mirror `kernels.situ_glu_math` is tested within 0.5 bf16 ulp of the float64 formula; not yet run on a GPU),
+# "triton-libdevice" its "libdevice" form (libdevice tanh: as accurate, compute-bound; what "triton" named
+# before the exp2 form), "triton-approx" its "approx" form (the GPU's tanh.approx instruction: up to ~250 bf16
+# ulps off at small values); "compile" (`torch.compile` of the fp32 reference), "eager" (the reference: ~10
+# elementwise passes over fp32 temporaries).
 GLU_ON_CUDA = "triton"
-GLU_FORMS = ("triton", "triton-approx", "compile", "eager")
+GLU_FORMS = ("triton", "triton-libdevice", "triton-approx", "compile", "eager")
+_KERNEL_FORMS = {"triton": "exp2", "triton-libdevice": "libdevice", "triton-approx": "approx"}
 _compiled_situ_glu = None
 
 
@@ -87,10 +92,10 @@ def apply_situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float) -
     CUDA (see above) and the fp32 reference elsewhere."""
     if GLU_ON_CUDA not in GLU_FORMS:
         raise ValueError(f"GLU_ON_CUDA is {GLU_ON_CUDA!r}; expected one of {GLU_FORMS}")
-    if gate_up_S2I.is_cuda and GLU_ON_CUDA.startswith("triton") and not torch.compiler.is_compiling():
+    if gate_up_S2I.is_cuda and GLU_ON_CUDA in _KERNEL_FORMS and not torch.compiler.is_compiling():
         from modelopt_ext.kernels.situ_glu import situ_glu as kernel
 
-        return kernel(gate_up_S2I, beta, linear_beta, approx=GLU_ON_CUDA == "triton-approx")
+        return kernel(gate_up_S2I, beta, linear_beta, form=_KERNEL_FORMS[GLU_ON_CUDA])
     gate, up = gate_up_S2I.chunk(2, dim=-1)
     return situ_glu(gate, up, beta, linear_beta)
 
