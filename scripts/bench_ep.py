@@ -335,7 +335,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                                            tokens)
         # a new routing on every call (as in calibration: every batch routes differently), so per-shape host
         # costs (cuBLAS heuristics for a row count it has not seen) show; default segment rule, then forced
-        variants = iter([x + 0.05 * torch.randn_like(x) for _ in range(args.warmup + args.reps)] * 2)
+        varying_runs = 2 + ("copy_engine" in args.transports)
+        variants = iter([x + 0.05 * torch.randn_like(x) for _ in range(args.warmup + args.reps)] * varying_runs)
 
         def layer_varying(c):
             xv = next(variants)
