@@ -297,10 +297,11 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         bench_exchange_parts(x, ids, weights, W * E, K, timed, t)
 
         # dispatch + combine alone (identity experts)
-        t["exchange_ours"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r, chunks=1))
+        t["exchange_ours"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r, chunks=1,
+                                                          transport="nccl"))
         for c in args.chunks[1:]:
             t[f"exchange_ours_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
-                                                                    chunks=c))
+                                                                    chunks=c, transport="nccl"))
 
         def exchange_before():
             rx, _, m = dispatch(x, ids, E, group)
@@ -319,7 +320,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
 
         def layer_ours(c):
             i, w = router(x, w_router, K)
-            return overlapped_moe(x, i, w, E, group, experts.run_rows, chunks=c)
+            return overlapped_moe(x, i, w, E, group, experts.run_rows, chunks=c, transport="nccl")
 
         def layer_ce(c):
             i, w = router(x, w_router, K)
@@ -344,11 +345,12 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
             return overlapped_moe(xv, i, w, E, group, experts.run_rows, chunks=c)
 
         c_mid = args.chunks[len(args.chunks) // 2]
-        t[f"layer_ours_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
+        with transport("nccl"):
+            t[f"layer_ours_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
         if "copy_engine" in args.transports:
             with transport("copy_engine"):
                 t[f"layer_ce_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
-        with segment_rule(0):
+        with segment_rule(0), transport("nccl"):
             t[f"layer_ours_c{c_mid}_varying_per_block"] = timed(lambda: layer_varying(c_mid))
         variants = None  # free the inputs
         # SMs left to NCCL while the GEMMs run (cuBLASLt's SM count target), so the exchange can overlap them
@@ -414,7 +416,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=16)
     parser.add_argument("--row-tiles", type=int, nargs="+", default=[])
     parser.add_argument("--carveouts", type=int, nargs="+", default=[])
-    parser.add_argument("--transports", nargs="+", default=None, choices=list(overlap.TRANSPORTS),
+    parser.add_argument("--transports", nargs="+", default=None, choices=["nccl", "copy_engine"],
                         help="EP links to measure (default: both on GPUs, nccl on CPUs)")
     parser.add_argument("--trace", action="store_true", help="profile each transport's layer (GPUs)")
     parser.add_argument("--trace-dir", default="/tmp/bench_ep_traces", help="where rank 0 keeps the traces")
@@ -425,7 +427,7 @@ def main() -> None:
     args = parser.parse_args()
     dev = args.device
     if args.transports is None:
-        args.transports = list(overlap.TRANSPORTS) if dev == "cuda" else ["nccl"]
+        args.transports = ["nccl", "copy_engine"] if dev == "cuda" else ["nccl"]
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if dev == "cuda" else "gloo")

@@ -22,6 +22,7 @@ and the two asynchronous steps per chunk (`send`, `send_back`) whose results the
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,10 +36,25 @@ from .local import Segment, block_segments, gather_weighted_sum
 # Chunks of the rank's tokens (C above). 1 exchanges everything, then computes, then exchanges back.
 CHUNKS = 2
 
-# How rows move between ranks: "nccl" (all_to_all_single on the process group's stream) or "copy_engine"
-# (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host).
-TRANSPORT = "nccl"
-TRANSPORTS = ("nccl", "copy_engine")
+# How rows move between ranks: "nccl" (all_to_all_single on the process group's stream), "copy_engine"
+# (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host) or "auto": the copy engines
+# for CUDA tokens when every rank of the job runs on this host (torchrun's LOCAL_WORLD_SIZE equals
+# WORLD_SIZE), NCCL otherwise. Measured side by side in docs/performance.md (session 5).
+TRANSPORT = "auto"
+TRANSPORTS = ("auto", "nccl", "copy_engine")
+
+
+def resolve_transport(transport: str | None, x_TH: torch.Tensor) -> str:
+    """The link a call takes: `transport` (default `TRANSPORT`) with "auto" decided as above. The same on every
+    rank of a job (same settings, same environment, tokens on the same kind of device)."""
+    name = transport or TRANSPORT
+    if name not in TRANSPORTS:
+        raise ValueError(f"EP transport {name!r}; expected one of {TRANSPORTS}")
+    if name != "auto":
+        return name
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    one_host = world is not None and world == local
+    return "copy_engine" if x_TH.is_cuda and one_host else "nccl"
 
 RunRows = Callable[[torch.Tensor, Sequence[Segment]], torch.Tensor]
 
@@ -103,14 +119,12 @@ class NcclLink:
                                       lay.recv_sizes[c], group=self.group, async_op=True)
 
 
-def _link(transport: str, group, x_TH: torch.Tensor):
-    if transport == "nccl":
+def _link(transport: str | None, group, x_TH: torch.Tensor):
+    if resolve_transport(transport, x_TH) == "nccl":
         return NcclLink(group)
-    if transport == "copy_engine":
-        from .copy_engine import CopyEngineLink
+    from .copy_engine import CopyEngineLink
 
-        return CopyEngineLink(group, x_TH)
-    raise ValueError(f"EP transport {transport!r}; expected one of {TRANSPORTS}")
+    return CopyEngineLink(group, x_TH)
 
 
 def _chunk_keys(ids_TK: torch.Tensor, chunks: int, num_global_experts: int) -> torch.Tensor:
@@ -136,7 +150,7 @@ def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.T
     C = chunks or CHUNKS  # every rank must use the same C (one exchange per chunk); chunks may be empty
     if C < 1:
         raise ValueError(f"chunks must be >= 1, got {C}")
-    link = _link(transport or TRANSPORT, group, x_TH)
+    link = _link(transport, group, x_TH)
     mark_exchange()
     W, E = dist.get_world_size(group), num_local_experts
     T, K = ids_TK.shape

@@ -81,3 +81,20 @@ def test_unknown_transport_is_named():
     with torch.no_grad(), pytest.raises(ValueError, match="'carrier pigeon'"):
         overlapped_moe(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), 1, None,
                        lambda r, s: r, transport="carrier pigeon")
+
+
+def test_auto_takes_copy_engines_only_for_cuda_tokens_on_one_host(monkeypatch):
+    from modelopt_ext.ep.overlap import resolve_transport
+
+    cpu = torch.zeros(1, 4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_transport("auto", cpu) == "nccl"  # CPU tokens (gloo): never the copy engines
+    assert resolve_transport("copy_engine", cpu) == "copy_engine"  # asked for by name: the link refuses CPUs
+    cuda_like = torch.empty(1, 4, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert resolve_transport("auto", cuda_like) == "copy_engine"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # ranks on two hosts: peer mapping cannot reach them
+    assert resolve_transport("auto", cuda_like) == "nccl"
+    monkeypatch.delenv("WORLD_SIZE")
+    assert resolve_transport("auto", cuda_like) == "nccl"
