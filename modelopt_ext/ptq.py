@@ -294,6 +294,7 @@ class _Run:
                 inputs.tokenizer, inputs.texts, **sizes, rank=self.rank, world_size=self.world_size
             )
 
+        started = time.perf_counter()
         cfg, batches = all_or_fail("calibrate", prepare)
         counts = gather_objects(len(batches))  # every rank must run the same number of (collective) EP forwards
         if min(counts) < len(batches):
@@ -312,8 +313,10 @@ class _Run:
 
         options = {"router_glob": inputs.family.router_glob, "num_experts": inputs.num_experts}
         options.update(uncovered=a.uncovered_experts, progress=on_batch)
+        prepared = time.perf_counter() - started  # the recipe's config, tokenizing, batches on the device
         with bar:
             result = all_or_fail("calibrate", lambda: calibrate(model, cfg, batches, **options))
+        result.seconds = {"prepare": round(prepared, 3), **result.seconds}
         return result, tokens
 
     def _export(self, result):

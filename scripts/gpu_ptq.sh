@@ -46,7 +46,7 @@ for r in $(seq 1 "${REPEAT:-1}"); do
   run "ep1_$r" 1
   run "ep2_$r" 2
   [ "${AB:-0}" = 1 ] && run "ep2base_$r" 2 modelopt_ext.ep.backend.PIPELINE=False
-  [ "${NCCL:-0}" = 1 ] && run "ep2nccl_$r" 2 modelopt_ext.ep.overlap.TRANSPORT=nccl
+  [ "${NCCL:-0}" = 1 ] && run "ep2nccl_$r" 2 "modelopt_ext.ep.overlap.TRANSPORT='nccl'"
 done
 # PROFILE=1: one more run of each (64 blocks) with the calibration profiler (tables per rank under $OUT/prof_<name>/).
 if [ "${PROFILE:-0}" = 1 ]; then

@@ -251,7 +251,7 @@ def test_single_process(single_run):
     # the calibrate phase's parts, in order, add up to no more than the phase; the forward loop's rate is at
     # least the phase's
     parts = summary["calibrate_parts"][0]
-    assert list(parts) == ["convert", "first_batch", "forward", "finish", "sync", "coverage"]
+    assert list(parts) == ["prepare", "convert", "first_batch", "forward", "finish", "sync", "coverage"]
     assert parts["first_batch"] > 0 and parts["forward"] > 0
     assert sum(parts.values()) <= summary["seconds"]["calibrate"] + 0.01
     assert summary["forward_tokens_per_s"] >= summary["tokens_per_s"]

@@ -98,7 +98,11 @@ def test_unreadable_file(tmp_path, monkeypatch):
         load_texts(path)
 
 
-def test_blocks_are_packed_and_dealt_round_robin(tokenizer):
+@pytest.mark.parametrize("encode_slice", [512, 3, 1])  # texts per tokenizer call: same blocks whatever it is
+def test_blocks_are_packed_and_dealt_round_robin(tokenizer, encode_slice, monkeypatch):
+    from modelopt_ext.quant import data
+
+    monkeypatch.setattr(data, "ENCODE_SLICE", encode_slice)
     texts = default_texts()
     per_rank = [calibration_batches(tokenizer, texts, calib_size=10, batch_size=3, seq_len=16, rank=r, world_size=2)
                 for r in range(2)]
