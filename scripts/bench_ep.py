@@ -367,9 +367,10 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                 torch.backends.cuda.preferred_blas_library("default")
         y_before, y_ours = layer_before().float(), layer_ours(args.chunks[-1]).float()
         out["layer_max_abs_diff"] = float((y_ours - y_before).abs().max())
-        if "copy_engine" in args.transports:  # same rows, same arithmetic: bit-identical expected
+        if "copy_engine" in args.transports:  # expert-major blocks: one GEMM per expert, not per (source, expert)
             for c in args.chunks:
-                out[f"layer_ce_c{c}_identical_to_nccl"] = bool(torch.equal(layer_ce(c), layer_ours(c)))
+                out[f"layer_ce_c{c}_max_abs_diff_vs_nccl"] = float((layer_ce(c).float() - layer_ours(c).float()
+                                                                    ).abs().max())
         out["layer_ref_max_abs"] = float(y_before.abs().max())
     out["ms"] = t
     return out

@@ -11,7 +11,8 @@ On every rank (one GPU each):
      received blocks regrouped (the default for blocks this small) and with one GEMM per block, each through
      NCCL and through the copy engines (`ep.copy_engine`), counting the syncs (the design has exactly one: the
      split sizes the exchange needs on the host), compared with `ep.dispatch` + the CPU reference of each
-     rank's experts, and the copy-engine results with NCCL's bit for bit.
+     rank's experts, and the copy-engine results with NCCL's (bit for bit where both run the grouped GEMMs on
+     expert-major rows).
 Exits non-zero on a failed check; rank 0 writes DIR/check_sync.json.
 """
 
@@ -131,8 +132,13 @@ def check_ep(group, seed: int) -> dict:
                 syncs = [str(c.message).splitlines()[0] for c in caught if "synchroniz" in str(c.message)]
                 out[name] = {"rel_error": rel_error(got, ref), "syncs": len(syncs), "sync_messages": syncs[:4]}
                 results[name] = got
-                if transport != "nccl":  # same rows, same arithmetic: the same bits as through NCCL
-                    out[name]["identical_to_nccl"] = bool(torch.equal(got, results[layout]))
+                if transport != "nccl":
+                    # The copy engines deliver rows expert-major: with the grouped GEMMs (the regrouped layout) the
+                    # same rows in the same order as NCCL + regrouping, so the same bits; one GEMM per block runs
+                    # one GEMM per expert instead of per (source, expert) block, so only close.
+                    out[name]["max_abs_diff_vs_nccl"] = float((got.float() - results[layout].float()).abs().max())
+                    if layout == "regrouped":
+                        out[name]["identical_to_nccl"] = bool(torch.equal(got, results[layout]))
     return out
 
 

@@ -38,48 +38,74 @@ HEADROOM = 1.25  # a grown buffer holds this much more than the call that grew i
 _GRANULE = 64 << 20  # bytes; buffer sizes are rounded up to this
 
 
+Copy = tuple[int, int, int, int]  # (rank, first source row, first destination row, rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class PeerPlan:
-    """Where one rank's rows land on the other ranks, from every rank's rows per (source, destination, chunk).
+    """One rank's copies for one call, from every rank's rows per (source, destination, chunk, local expert).
 
-    into_recv[c][p]: first row, in p's receive region, of the chunk-c rows this rank sends p.
-    into_back[c][p]: first row, in p's return region, of the outputs for the chunk-c rows p sent this rank.
+    Receive layout (each rank, chunk by chunk): per local expert, per source rank, so each expert's rows are
+    one contiguous segment and the experts run on them in place (`segments`), without a regrouping gather.
+    Send and return layout (each rank, chunk by chunk): per destination rank, per local expert (`ep.overlap`).
+
+    sends[c]: (peer, first row in this rank's send layout, first row in the peer's receive region, rows), one
+        per (peer, expert) block, this rank included (its own rows are gathered straight into place).
+    returns[c]: (source rank, first row of the block in this rank's chunk-c outputs, first row in the source's
+        return region, rows), one per (source, expert) block, this rank included.
+    segments[c]: (expert, first row in the chunk, rows) of this rank's chunk-c receive rows.
+    recv_sizes[c][s], send_sizes[c][d]: rows received from s / sent to d in chunk c.
     back_base[p]: rows in p's receive region (its return region starts after them).
     capacity_rows: the largest receive + return row count over all ranks (what every buffer must hold).
     """
 
-    into_recv: list[list[int]]
-    into_back: list[list[int]]
+    sends: list[list[Copy]]
+    returns: list[list[Copy]]
+    segments: list[list[tuple[int, int, int]]]
+    recv_sizes: list[list[int]]
+    send_sizes: list[list[int]]
     back_base: list[int]
     capacity_rows: int
 
 
-def peer_plan(rows_SDC: list[list[list[int]]], rank: int) -> PeerPlan:
-    """The plan for `rank` from rows_SDC[s][d][c], the rows rank s sends rank d in chunk c (host ints).
-
-    Receive layout of rank p: chunk-major, then source rank. Send (and return) layout of rank p: chunk-major,
-    then destination rank. Within a (chunk, rank) block rows are ordered by local expert on both sides.
-    """
-    W = len(rows_SDC)
-    C = len(rows_SDC[0][0]) if W else 0
-    into_recv = [[0] * W for _ in range(C)]
-    into_back = [[0] * W for _ in range(C)]
-    recv_total = [0] * W
-    send_total = [0] * W
+def peer_plan(rows_SDCE: list[list[list[list[int]]]], rank: int) -> PeerPlan:
+    """The plan for `rank` from rows_SDCE[s][d][c][e]: the rows rank s sends rank d in chunk c for d's local
+    expert e (host ints, the same on every rank)."""
+    W = len(rows_SDCE)
+    C = len(rows_SDCE[0][0]) if W else 0
+    E = len(rows_SDCE[0][0][0]) if C else 0
+    N = rows_SDCE
+    # receive layout of every rank p: recv_at[p][c][e][s]; send layout: send_at[p][c][d][e]
+    recv_at = [[[[0] * W for _ in range(E)] for _ in range(C)] for _ in range(W)]
+    send_at = [[[[0] * E for _ in range(W)] for _ in range(C)] for _ in range(W)]
+    recv_total, send_total = [0] * W, [0] * W
     for p in range(W):
-        recv_row = send_row = 0
+        row = 0
         for c in range(C):
-            for s in range(W):
-                if s == rank:
-                    into_recv[c][p] = recv_row
-                recv_row += rows_SDC[s][p][c]
+            for e in range(E):
+                for s in range(W):
+                    recv_at[p][c][e][s] = row
+                    row += N[s][p][c][e]
+        recv_total[p] = row
+        row = 0
+        for c in range(C):
             for d in range(W):
-                if d == rank:
-                    into_back[c][p] = send_row
-                send_row += rows_SDC[p][d][c]
-        recv_total[p], send_total[p] = recv_row, send_row
+                for e in range(E):
+                    send_at[p][c][d][e] = row
+                    row += N[p][d][c][e]
+        send_total[p] = row
+    me = rank
+    chunk_start = [recv_at[me][c][0][0] if E else 0 for c in range(C)]
+    sends = [[(d, send_at[me][c][d][e], recv_at[d][c][e][me], N[me][d][c][e])
+              for d in range(W) for e in range(E) if N[me][d][c][e]] for c in range(C)]
+    returns = [[(s, recv_at[me][c][e][s] - chunk_start[c], recv_total[s] + send_at[s][c][me][e], N[s][me][c][e])
+                for e in range(E) for s in range(W) if N[s][me][c][e]] for c in range(C)]
+    segments = [[(e, recv_at[me][c][e][0] - chunk_start[c], sum(N[s][me][c][e] for s in range(W)))
+                 for e in range(E)] for c in range(C)]
+    recv_sizes = [[sum(N[s][me][c]) for s in range(W)] for c in range(C)]
+    send_sizes = [[sum(N[me][d][c]) for d in range(W)] for c in range(C)]
     capacity = max((recv_total[p] + send_total[p] for p in range(W)), default=0)
-    return PeerPlan(into_recv, into_back, recv_total, capacity)
+    return PeerPlan(sends, returns, segments, recv_sizes, send_sizes, recv_total, capacity)
 
 
 class _Buffer:
@@ -169,18 +195,13 @@ class CopyEngineLink:
         W, C, E = send_WCE.shape
         every = torch.empty(W, W, C, E, dtype=send_WCE.dtype, device=send_WCE.device)
         dist.all_gather_into_tensor(every, send_WCE.contiguous(), group=self.group)
-        flat = torch.cat([every.sum(-1).reshape(-1), every[:, self.rank].reshape(-1)]).tolist()  # the host sync
-        rows_SDC = [[flat[(s * W + d) * C:(s * W + d + 1) * C] for d in range(W)] for s in range(W)]
-        base = W * W * C
-        recv_host = [[flat[base + (s * C + c) * E:base + (s * C + c + 1) * E] for c in range(C)] for s in range(W)]
-        self.plan = peer_plan(rows_SDC, self.rank)
+        self.plan = peer_plan(every.tolist(), self.rank)  # the host sync
         self.buffer.ensure(self.plan.capacity_rows * self.width * self.dtype.itemsize)
         self.peer_stream.wait_stream(torch.cuda.current_stream())
         self.self_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.peer_stream):
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        self.layout_ = Layout([[rows_SDC[self.rank][d][c] for d in range(W)] for c in range(C)],
-                              [[rows_SDC[s][self.rank][c] for s in range(W)] for c in range(C)], recv_host)
+        self.layout_ = Layout(self.plan.send_sizes, self.plan.recv_sizes, None, self.plan.segments)
         return self.layout_
 
     def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -195,56 +216,43 @@ class CopyEngineLink:
 
     def send(self, c: int, x_TH: torch.Tensor, source_rows: torch.Tensor, send_x: torch.Tensor,
              recv_x: torch.Tensor) -> _Arrived:
-        """Gather chunk c's send rows (this rank's own straight into its receive region), copy each peer's
-        block into the peer's receive region, barrier."""
+        """Gather chunk c's send rows (this rank's own straight into place in its receive region), copy each
+        (peer, expert) block into the peer's receive region, barrier."""
         lay, me = self.layout_, self.rank
         first = lay.send_off[c]
-        starts = [first + sum(lay.send_sizes[c][:d]) for d in range(self.world + 1)]
-        mine = slice(starts[me] - first, starts[me + 1] - first)
-        own_at = lay.recv_off[c] + sum(lay.recv_sizes[c][:me])
-        torch.index_select(x_TH, 0, source_rows[mine], out=recv_x[own_at:own_at + lay.send_sizes[c][me]])
-        for part in (slice(0, mine.start), slice(mine.stop, None)):
-            rows = source_rows[part]
-            if rows.numel():
-                at = first + (part.start or 0)
-                torch.index_select(x_TH, 0, rows, out=send_x[at:at + rows.numel()])
+        for d, src, dst, n in self.plan.sends[c]:
+            rows = source_rows[src - first:src - first + n]
+            torch.index_select(x_TH, 0, rows, out=recv_x[dst:dst + n] if d == me else send_x[src:src + n])
         send_x.record_stream(self.peer_stream)
         gathered = _recorded(torch.cuda.current_stream())
         with torch.cuda.stream(self.peer_stream):
             self.peer_stream.wait_event(gathered)
-            for p in self._peers():
-                n = lay.send_sizes[c][p]
-                if n:
-                    self.buffer.rows(p, self.plan.into_recv[c][p], n, self.width, self.dtype).copy_(
-                        send_x[starts[p]:starts[p] + n])
+            for d, src, dst, n in self._peer_order(self.plan.sends[c]):
+                self.buffer.rows(d, dst, n, self.width, self.dtype).copy_(send_x[src:src + n])
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             return _Arrived(_recorded(self.peer_stream))
 
     def send_back(self, c: int, y: torch.Tensor, back: torch.Tensor) -> _Arrived:
-        """Chunk c's expert outputs (receive layout) to their sources' return regions; this rank's own block
+        """Chunk c's expert outputs (receive layout) to their sources' return regions; this rank's own blocks
         into its own return region on the second side stream."""
-        lay, me = self.layout_, self.rank
-        starts = [sum(lay.recv_sizes[c][:s]) for s in range(self.world + 1)]
+        me, base = self.rank, self.plan.back_base[self.rank]
         done = _recorded(torch.cuda.current_stream())
         y.record_stream(self.peer_stream)
         y.record_stream(self.self_stream)
         with torch.cuda.stream(self.self_stream):
             self.self_stream.wait_event(done)
-            n = lay.recv_sizes[c][me]
-            at = lay.send_off[c] + sum(lay.send_sizes[c][:me])
-            if n:
-                back[at:at + n].copy_(y[starts[me]:starts[me] + n])
+            for _, src, dst, n in (copy for copy in self.plan.returns[c] if copy[0] == me):
+                back[dst - base:dst - base + n].copy_(y[src:src + n])
             own = _recorded(self.self_stream)
         with torch.cuda.stream(self.peer_stream):
             self.peer_stream.wait_event(done)
-            for p in self._peers():
-                n = lay.recv_sizes[c][p]
-                if n:
-                    self.buffer.rows(p, self.plan.back_base[p] + self.plan.into_back[c][p], n, self.width,
-                                     self.dtype).copy_(y[starts[p]:starts[p] + n])
+            for s, src, dst, n in self._peer_order(self.plan.returns[c]):
+                self.buffer.rows(s, dst, n, self.width, self.dtype).copy_(y[src:src + n])
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             return _Arrived(_recorded(self.peer_stream), own)
 
-    def _peers(self) -> list[int]:
-        # rank + 1 first: at W > 2 the ranks start on different peers rather than all copying to rank 0
-        return [(self.rank + step) % self.world for step in range(1, self.world)]
+    def _peer_order(self, copies: list[Copy]) -> list[Copy]:
+        """The copies to other ranks, rank + 1 first: at W > 2 the ranks start on different peers rather than
+        all copying to rank 0."""
+        return sorted((copy for copy in copies if copy[0] != self.rank),
+                      key=lambda copy: (copy[0] - self.rank) % self.world)

@@ -155,6 +155,23 @@ def regroup(segments: Sequence[Segment], num_experts: int, device: torch.device
     return gather_R, _pinned(offs, device, torch.int32), back_R
 
 
+def expert_major_offsets(segments: Sequence[Segment], num_experts: int, num_rows: int, device: torch.device
+                         ) -> torch.Tensor | None:
+    """`offs_E` for `project` when `segments` already lay the `num_rows` rows out expert-major (each expert at
+    most one segment, in expert order, back to back from row 0 to the last): the grouped GEMMs then run on
+    the rows in place, with no `regroup` gathers. None for any other layout."""
+    totals, row, last = [0] * num_experts, 0, -1
+    for e, start, rows in segments:
+        if not rows:
+            continue
+        if not last < e < num_experts or start != row:
+            return None
+        totals[e], row, last = rows, row + rows, e
+    if row != num_rows:
+        return None
+    return _pinned(list(itertools.accumulate(totals)), device, torch.int32)
+
+
 def block_segments(counts_WE: Sequence[Sequence[int]], start: int = 0) -> list[Segment]:
     """Segments of rows laid out as blocks [source rank][local expert] (what `dispatch` delivers)."""
     segments, row = [], start

@@ -10,8 +10,10 @@ experts run as soon as its rows arrive, while later chunks are still on the wire
 (`local.gather_weighted_sum`, one pass) once chunk c+1's experts are enqueued.
 
 Send layout: slots sorted by (chunk, global expert id): per chunk, per destination rank, per local expert.
-Receive layout: per chunk, per source rank, per local expert, so each (source, expert) block is contiguous
-and the local experts run on the received buffer in place (`local.block_segments`), without a gather.
+Receive layout: per chunk, per source rank, per local expert through NCCL, so each (source, expert) block is
+contiguous and the local experts run on the received buffer in place (`local.block_segments`), without a
+gather; per chunk, per local expert, per source rank through the copy engines, so each expert's rows are one
+segment.
 
 The rows move through a link (`TRANSPORT`): NCCL's `all_to_all_single` (`NcclLink`), or copy engines into
 peer-mapped memory (`ep.copy_engine.CopyEngineLink`, CUDA ranks of one host), which leave the SMs to the
@@ -62,11 +64,19 @@ RunRows = Callable[[torch.Tensor, Sequence[Segment]], torch.Tensor]
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One call's host sizes. send_sizes[c][w] / recv_sizes[c][w]: rows sent to / received from rank w in chunk
-    c; recv_blocks[w][c][e]: rows received from rank w in chunk c for local expert e."""
+    c; recv_blocks[w][c][e]: rows received from rank w in chunk c for local expert e, laid out [source][expert]
+    (NCCL); or, for a link that lays the received rows out its own way, segments[c] of each chunk."""
 
     send_sizes: list[list[int]]
     recv_sizes: list[list[int]]
-    recv_blocks: list[list[list[int]]]
+    recv_blocks: list[list[list[int]]] | None
+    segments: list[list[Segment]] | None = None
+
+    def chunk_segments(self, c: int) -> list[Segment]:
+        """(expert, first row, rows) of chunk c's received rows, rows counted from the chunk's first."""
+        if self.segments is not None:
+            return self.segments[c]
+        return block_segments([per_chunk[c] for per_chunk in self.recv_blocks])
 
     @property
     def send_off(self) -> list[int]:  # first send row of each chunk, and the total
@@ -176,7 +186,7 @@ def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.T
 
     for c in range(C):
         arrivals[c].wait()
-        y = run_rows(recv_x[recv_off[c]:recv_off[c + 1]], block_segments([lay.recv_blocks[w][c] for w in range(W)]))
+        y = run_rows(recv_x[recv_off[c]:recv_off[c + 1]], lay.chunk_segments(c))
         if back is None:
             back, out = link.return_buffer(y), y.new_empty(T, y.shape[1])
         returns.append(link.send_back(c, y, back))

@@ -11,9 +11,9 @@ from modelopt_ext.ep.overlap import overlapped_moe
 
 
 def _simulate(counts, W, C, E):
-    """Move labelled rows with the plans; return what each rank received and got back, and the expectation."""
-    rows = [[[sum(counts[s][d][c]) for c in range(C)] for d in range(W)] for s in range(W)]
-    plans = [peer_plan(rows, r) for r in range(W)]
+    """Move labelled rows with every rank's plan; return what each rank received, its segments and what came
+    back, with the expectations."""
+    plans = [peer_plan(counts, r) for r in range(W)]
     cap = plans[0].capacity_rows
     assert all(p.capacity_rows == cap for p in plans)
     buffers = [[None] * cap for _ in range(W)]
@@ -21,35 +21,36 @@ def _simulate(counts, W, C, E):
     send = [[(s, c, d, e, i) for c in range(C) for d in range(W) for e in range(E) for i in range(counts[s][d][c][e])]
             for s in range(W)]
     for s in range(W):
-        row = 0
         for c in range(C):
-            for d in range(W):
-                n = rows[s][d][c]
-                at = plans[s].into_recv[c][d]
-                buffers[d][at:at + n] = send[s][row:row + n]
-                row += n
+            for d, src, dst, n in plans[s].sends[c]:
+                buffers[d][dst:dst + n] = send[s][src:src + n]
     received = [buffers[p][:plans[0].back_base[p]] for p in range(W)]
-    expected = [[(s, c, p, e, i) for c in range(C) for s in range(W) for e in range(E) for i in range(counts[s][p][c][e])]
+    # expert-major within each chunk: expert, then source rank
+    expected = [[(s, c, p, e, i) for c in range(C) for e in range(E) for s in range(W) for i in range(counts[s][p][c][e])]
                 for p in range(W)]
-    # returns: rank p's outputs for chunk c, in its receive layout, go back to each source's return region
+    segments_ok = True
     for p in range(W):
-        row = 0
+        first = 0
         for c in range(C):
-            for s in range(W):
-                n = rows[s][p][c]
-                at = plans[p].back_base[s] + plans[p].into_back[c][s]
-                buffers[s][at:at + n] = [("out",) + label for label in received[p][row:row + n]]
-                row += n
+            rows = received[p][first:first + sum(plans[p].recv_sizes[c])]
+            for e, start, n in plans[p].segments[c]:  # each segment: all of expert e's rows of the chunk
+                segments_ok &= all(label[3] == e for label in rows[start:start + n])
+                segments_ok &= n == sum(label[3] == e for label in rows)
+            # returns: the chunk's outputs, in receive layout, to each source's return region
+            for s, src, dst, n in plans[p].returns[c]:
+                buffers[s][dst:dst + n] = [("out",) + label for label in rows[src:src + n]]
+            first += len(rows)
     back = [buffers[s][plans[0].back_base[s]:plans[0].back_base[s] + len(send[s])] for s in range(W)]
-    return received, expected, back, [[("out",) + label for label in send[s]] for s in range(W)], plans
+    return received, expected, back, [[("out",) + label for label in send[s]] for s in range(W)], plans, segments_ok
 
 
 @pytest.mark.parametrize("W,C,E,seed", [(2, 1, 3, 0), (2, 2, 14, 1), (3, 3, 2, 2), (4, 2, 5, 3), (5, 1, 1, 4)])
-def test_plan_delivers_rows_like_all_to_all(W, C, E, seed):
+def test_plan_delivers_rows_expert_major_and_back(W, C, E, seed):
     rng = random.Random(seed)
     counts = [[[[rng.choice([0, 0, 1, 2, 7]) for _ in range(E)] for _ in range(C)] for _ in range(W)] for _ in range(W)]
-    received, expected, back, want_back, plans = _simulate(counts, W, C, E)
+    received, expected, back, want_back, plans, segments_ok = _simulate(counts, W, C, E)
     assert received == expected
+    assert segments_ok
     assert back == want_back
     need = max(sum(sum(map(sum, counts[s][p])) for s in range(W)) + sum(sum(map(sum, counts[p][d])) for d in range(W))
                for p in range(W))
@@ -57,18 +58,25 @@ def test_plan_delivers_rows_like_all_to_all(W, C, E, seed):
 
 
 def test_plan_with_nothing_to_send():
-    plan = peer_plan([[[0, 0], [0, 0]], [[0, 0], [0, 0]]], 1)
-    assert plan.capacity_rows == 0 and plan.into_recv == [[0, 0], [0, 0]]
+    plan = peer_plan([[[[0, 0]], [[0, 0]]], [[[0, 0]], [[0, 0]]]], 1)
+    assert plan.capacity_rows == 0 and plan.sends == [[]] and plan.returns == [[]]
+    assert plan.segments == [[(0, 0, 0), (1, 0, 0)]]
 
 
 def test_plan_by_hand():
-    # 2 ranks, 1 chunk: rank 0 sends 3 rows to itself and 2 to rank 1; rank 1 sends 4 to rank 0 and 1 to itself
-    rows = [[[3], [2]], [[4], [1]]]
+    # 2 ranks, 1 chunk, 2 experts a rank. rows[s][d][0][e]: rank 0 sends itself 2 + 1 rows and rank 1 0 + 2;
+    # rank 1 sends rank 0 3 + 1 rows and itself 1 + 0.
+    rows = [[[[2, 1]], [[0, 2]]], [[[3, 1]], [[1, 0]]]]
     p0, p1 = peer_plan(rows, 0), peer_plan(rows, 1)
-    assert p1.into_recv == [[3, 2]]  # rank 1's rows land after rank 0's 3 own rows on rank 0; on rank 1 after 2
-    assert p0.into_recv == [[0, 0]]
-    assert p0.back_base == [7, 3]  # rank 0 receives 3 + 4 rows, rank 1 receives 2 + 1
-    assert p1.into_back == [[3, 4]]  # rank 0 sent rank 1 its rows after its own 3; rank 1 sent its own after 4
+    # rank 0 receives expert 0: 2 (own) + 3 (rank 1), expert 1: 1 (own) + 1 (rank 1)
+    assert p0.segments == [[(0, 0, 5), (1, 5, 2)]]
+    # rank 1's rows for rank 0's expert 0 land after rank 0's own 2; for expert 1 after rank 0's own 1 (row 6)
+    assert p1.sends == [[(0, 0, 2, 3), (0, 3, 6, 1), (1, 4, 0, 1)]]
+    # rank 0's own rows: expert 0 at 0, expert 1 at 5; to rank 1 (expert 1 only): after rank 0's 0 rows and 1 own
+    assert p0.sends == [[(0, 0, 0, 2), (0, 2, 5, 1), (1, 3, 1, 2)]]
+    assert p0.back_base == [7, 3]
+    # rank 0's outputs for rank 1's rows go to rank 1's return region (base 3) at rank 1's send rows 0 and 3
+    assert p0.returns == [[(0, 0, 7, 2), (1, 2, 3, 3), (0, 5, 9, 1), (1, 6, 6, 1)]]
     assert p0.capacity_rows == 12
 
 

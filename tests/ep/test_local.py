@@ -103,3 +103,18 @@ def test_segment_gemms_only_for_large_segments_on_gpus():
     cuda = torch.device("cuda")
     assert local.use_segment_gemms(big, cuda) and not local.use_segment_gemms(small, cuda)
     assert local.use_segment_gemms(small, torch.device("cpu"))  # CPUs keep per-block GEMMs (exact rows)
+
+
+def test_expert_major_offsets_only_for_expert_major_layouts():
+    from modelopt_ext.ep.local import expert_major_offsets
+
+    cpu = torch.device("cpu")
+    # expert-major, expert 1 empty: inclusive offsets per expert
+    assert expert_major_offsets([(0, 0, 3), (1, 3, 0), (2, 3, 4)], 4, 7, cpu).tolist() == [3, 3, 7, 7]
+    assert expert_major_offsets([], 2, 0, cpu).tolist() == [0, 0]
+    # [source][expert] blocks (an expert twice), out of order, a gap, rows left over, an unknown expert
+    assert expert_major_offsets([(0, 0, 2), (1, 2, 1), (0, 3, 2)], 2, 5, cpu) is None
+    assert expert_major_offsets([(1, 0, 2), (0, 2, 1)], 2, 3, cpu) is None
+    assert expert_major_offsets([(0, 0, 2), (1, 3, 1)], 2, 4, cpu) is None
+    assert expert_major_offsets([(0, 0, 2)], 2, 3, cpu) is None
+    assert expert_major_offsets([(0, 0, 2), (2, 2, 1)], 2, 3, cpu) is None

@@ -30,6 +30,7 @@ from transformers.integrations.moe import use_experts_implementation
 from modelopt_ext.ep.dispatch import inverse_permutation, weighted_sum
 from modelopt_ext.ep.local import (
     Segment,
+    expert_major_offsets,
     expert_mlp,
     gather_weighted_sum,
     pad_rows,
@@ -129,9 +130,13 @@ class _FusedExpertsBase(nn.Module):
 
     def _regrouped(self, fn, x_SL: torch.Tensor, segments: list[Segment] | None):
         """`fn` on `segments` rows regrouped expert-major (one grouped GEMM per projection) when
-        `ep.local.use_segment_gemms` says the segments are too small for a GEMM each; None otherwise."""
+        `ep.local.use_segment_gemms` says the segments are too small for a GEMM each (in place when they are
+        expert-major already); None otherwise."""
         if segments is None or use_segment_gemms(segments, x_SL.device):
             return None
+        offs_E = expert_major_offsets(segments, self.num_experts, x_SL.shape[0], x_SL.device)
+        if offs_E is not None:  # already expert-major (the copy-engine exchange's layout): no gathers
+            return fn(x_SL, offs_E=offs_E)
         gather_R, offs_E, back_R = regroup(segments, self.num_experts, x_SL.device)
         return fn(x_SL.index_select(0, gather_R), offs_E=offs_E).index_select(0, back_R)
 
