@@ -183,26 +183,19 @@ def bench_copy_engine(x, ids, weights, E, group, meta, timed, t, chunks) -> None
     rank, W, H = dist.get_rank(group), dist.get_world_size(group), x.shape[1]
     buf = copy_engine._buffer(group, x.device)
     send = x.new_empty(sum(meta.send_sizes), H).normal_()
-    recv_rows = sum(meta.recv_sizes)
     every = [None] * W
-    dist.all_gather_object(every, (list(meta.send_sizes), list(meta.recv_sizes)), group=group)
-    plan = copy_engine.peer_plan([[[every[s][0][d]] for d in range(W)] for s in range(W)], rank)
+    dist.all_gather_object(every, list(meta.send_sizes), group=group)
+    plan = copy_engine.peer_plan([[[[every[s][d]]] for d in range(W)] for s in range(W)], rank)  # one block a peer
     buf.ensure(plan.capacity_rows * H * x.dtype.itemsize)
-    starts = [sum(meta.send_sizes[:d]) for d in range(W)]
-    rstarts = [sum(meta.recv_sizes[:s]) for s in range(W)]
-    mine = buf.rows(rank, 0, recv_rows, H, x.dtype)
+    mine = buf.rows(rank, 0, plan.back_base[rank], H, x.dtype)
 
     def raw_ce():
-        for p in [(rank + k) % W for k in range(W)]:  # own rows too (a local copy-engine copy), as NCCL does
-            n = meta.send_sizes[p]
-            if n:
-                buf.rows(p, plan.into_recv[0][p], n, H, x.dtype).copy_(send[starts[p]:starts[p] + n])
+        # every block, own rows too (a local copy-engine copy), as NCCL's exchange moves them
+        for d, src, dst, n in plan.sends[0]:
+            buf.rows(d, dst, n, H, x.dtype).copy_(send[src:src + n])
         buf.handle.barrier(channel=0, timeout_ms=copy_engine.BARRIER_TIMEOUT_MS)
-        for p in [(rank + k) % W for k in range(W)]:
-            n = meta.recv_sizes[p]
-            if n:
-                buf.rows(p, plan.back_base[p] + plan.into_back[0][p], n, H, x.dtype).copy_(
-                    mine[rstarts[p]:rstarts[p] + n])
+        for s, src, dst, n in plan.returns[0]:
+            buf.rows(s, dst, n, H, x.dtype).copy_(mine[src:src + n])
         buf.handle.barrier(channel=0, timeout_ms=copy_engine.BARRIER_TIMEOUT_MS)
 
     t["raw_copy_engine"] = timed(raw_ce)

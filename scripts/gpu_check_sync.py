@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from modelopt_ext.ep import local
 from modelopt_ext.ep.dispatch import combine, dispatch
-from modelopt_ext.ep.overlap import TRANSPORTS, overlapped_moe
+from modelopt_ext.ep.overlap import overlapped_moe
 from modelopt_ext.formats.mxfp4 import quantize_mxfp4
 from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts, KimiK3PackedExperts
@@ -113,7 +113,7 @@ def check_ep(group, seed: int) -> dict:
         out, results = {}, {}
         # blocks here hold ~64 rows: the default rule regroups them; 0 forces one GEMM per block. Each through
         # NCCL and through the copy engines (whose first call allocates the peer-mapped buffer: warm-up).
-        for transport in TRANSPORTS:
+        for transport in ("nccl", "copy_engine"):
             for layout, min_rows in (("regrouped", local.SEGMENT_MIN_ROWS), ("per_block", 0)):
                 name = layout if transport == "nccl" else f"{layout}_{transport}"
                 saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
