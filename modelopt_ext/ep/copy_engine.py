@@ -14,7 +14,8 @@ expert]). A call, on one side stream (`_streams`):
      receive region): a copy into each peer's receive region, then a barrier, so every chunk-c row for this
      rank has arrived when it completes;
   3. per chunk, once its experts ran: each source's block of outputs copied into that source's return region
-     (this rank's own block on a second side stream), then a barrier.
+     (this rank's own blocks are gathered into its return region on the compute stream: the copy engines move
+     rows within one GPU far slower than a gather kernel, measured), then a barrier.
 The compute stream waits for these with events; the host never waits. Offsets on peers come from one
 all_gather of every rank's per-chunk counts, read back with the call's one host sync (the same sync NCCL's
 split sizes need). The buffer grows, with a device synchronize and a collective rendezvous, when a call needs
@@ -30,6 +31,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from .local import block_rows
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ class _Buffer:
 
 
 _buffers: dict[tuple[str, int], _Buffer] = {}
-_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _buffer(group, device: torch.device) -> _Buffer:
@@ -148,11 +151,10 @@ def _buffer(group, device: torch.device) -> _Buffer:
     return _buffers[key]
 
 
-def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(peer copies and barriers, high priority so the one-block barriers start between GEMM blocks; copies
-    within this rank)."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """Peer copies and barriers; high priority, so the one-block barrier kernels start between GEMM blocks."""
     if device.index not in _streams:
-        _streams[device.index] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device))
+        _streams[device.index] = torch.cuda.Stream(device, priority=-1)
     return _streams[device.index]
 
 
@@ -185,7 +187,7 @@ class CopyEngineLink:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device, self.dtype, self.width = x_TH.device, x_TH.dtype, x_TH.shape[1]
         self.buffer = _buffer(group, self.device)
-        self.peer_stream, self.self_stream = _side_streams(self.device)
+        self.peer_stream = _side_stream(self.device)
 
     def layout(self, send_WCE: torch.Tensor):
         """Every rank's counts (one all_gather, one host read) -> this call's `overlap.Layout`; grows the
@@ -198,7 +200,6 @@ class CopyEngineLink:
         self.plan = peer_plan(every.tolist(), self.rank)  # the host sync
         self.buffer.ensure(self.plan.capacity_rows * self.width * self.dtype.itemsize)
         self.peer_stream.wait_stream(torch.cuda.current_stream())
-        self.self_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.peer_stream):
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         self.layout_ = Layout(self.plan.send_sizes, self.plan.recv_sizes, None, self.plan.segments)
@@ -233,23 +234,22 @@ class CopyEngineLink:
             return _Arrived(_recorded(self.peer_stream))
 
     def send_back(self, c: int, y: torch.Tensor, back: torch.Tensor) -> _Arrived:
-        """Chunk c's expert outputs (receive layout) to their sources' return regions; this rank's own blocks
-        into its own return region on the second side stream."""
+        """Chunk c's expert outputs (receive layout) to their sources' return regions: this rank's own blocks
+        with one gather into its return region (compute stream), the others by the copy engines."""
         me, base = self.rank, self.plan.back_base[self.rank]
+        own = [(src, dst, n) for s, src, dst, n in self.plan.returns[c] if s == me]
+        if own:  # the own blocks' destinations follow each other (send layout: destination, then expert)
+            first = own[0][1] - base
+            rows = block_rows([src for src, _, _ in own], [n for _, _, n in own], y.device)
+            torch.index_select(y, 0, rows, out=back[first:first + rows.shape[0]])
         done = _recorded(torch.cuda.current_stream())
         y.record_stream(self.peer_stream)
-        y.record_stream(self.self_stream)
-        with torch.cuda.stream(self.self_stream):
-            self.self_stream.wait_event(done)
-            for _, src, dst, n in (copy for copy in self.plan.returns[c] if copy[0] == me):
-                back[dst - base:dst - base + n].copy_(y[src:src + n])
-            own = _recorded(self.self_stream)
         with torch.cuda.stream(self.peer_stream):
             self.peer_stream.wait_event(done)
             for s, src, dst, n in self._peer_order(self.plan.returns[c]):
                 self.buffer.rows(s, dst, n, self.width, self.dtype).copy_(y[src:src + n])
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-            return _Arrived(_recorded(self.peer_stream), own)
+            return _Arrived(_recorded(self.peer_stream))
 
     def _peer_order(self, copies: list[Copy]) -> list[Copy]:
         """The copies to other ranks, rank + 1 first: at W > 2 the ranks start on different peers rather than

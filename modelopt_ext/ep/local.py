@@ -46,8 +46,20 @@ def sort_by_expert(ids_S: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return order_S, torch.cumsum(count_ids(ids_S, num_experts + 1)[:num_experts], 0, dtype=torch.int32)
 
 
+def _tile_rows(segments: Sequence[Segment], num_rows: int) -> bool:
+    """Whether the segments, in order, cover rows 0..num_rows back to back (every output row gets written)."""
+    row = 0
+    for _, start, rows in segments:
+        if rows and start != row:
+            return False
+        row += rows
+    return row == num_rows
+
+
 def _segment_mm(x_SL: torch.Tensor, w_ENL: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-    out = x_SL.new_zeros(x_SL.shape[0], w_ENL.shape[1])
+    # zeros only where a row may be left unwritten (filling [S, N] costs as much as a small GEMM)
+    new = x_SL.new_empty if _tile_rows(segments, x_SL.shape[0]) else x_SL.new_zeros
+    out = new(x_SL.shape[0], w_ENL.shape[1])
     for e, start, rows in segments:
         if not rows:
             continue
@@ -124,6 +136,18 @@ def _pinned(values: list[int], device: torch.device, dtype=torch.int64) -> torch
     return t
 
 
+def block_rows(starts: Sequence[int], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 row indices on `device`: rows [starts[i], starts[i] + sizes[i]) for each block i, in order. Built on
+    the device from the host lists (no host sync)."""
+    total = sum(sizes)
+    if not total:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    firsts = list(itertools.accumulate(sizes, initial=0))[:-1]
+    shift = _pinned([start - first for start, first in zip(starts, firsts)], device)
+    return torch.arange(total, device=device) + shift.repeat_interleave(_pinned(list(sizes), device),
+                                                                       output_size=total)
+
+
 def regroup(segments: Sequence[Segment], num_experts: int, device: torch.device
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For rows laid out as `segments` (each a contiguous block of one expert's rows, e.g. [source][expert]):
@@ -144,10 +168,8 @@ def regroup(segments: Sequence[Segment], num_experts: int, device: torch.device
     offs = list(itertools.accumulate(totals))
 
     def index(block_order: list[int], to_start: list[int], from_start: list[int]) -> torch.Tensor:
-        # for each row of the `block_order` layout: its row in the other layout
-        sizes = _pinned([blocks[b][2] for b in block_order], device)
-        shift = _pinned([to_start[b] - from_start[b] for b in block_order], device)
-        return torch.arange(row, device=device) + shift.repeat_interleave(sizes, output_size=row)
+        # for each row of the `block_order` layout (blocks back to back, from_start): its row in the other layout
+        return block_rows([to_start[b] for b in block_order], [blocks[b][2] for b in block_order], device)
 
     src_start = [start for _, start, _ in blocks]
     gather_R = index(order, src_start, dst_start)

@@ -118,3 +118,18 @@ def test_expert_major_offsets_only_for_expert_major_layouts():
     assert expert_major_offsets([(0, 0, 2), (1, 3, 1)], 2, 4, cpu) is None
     assert expert_major_offsets([(0, 0, 2)], 2, 3, cpu) is None
     assert expert_major_offsets([(0, 0, 2), (2, 2, 1)], 2, 3, cpu) is None
+
+
+def test_block_rows_and_segment_outputs_without_gaps():
+    from modelopt_ext.ep.local import _tile_rows, block_rows
+
+    cpu = torch.device("cpu")
+    assert block_rows([5, 0, 9], [2, 1, 0], cpu).tolist() == [5, 6, 0]
+    assert block_rows([], [], cpu).tolist() == []
+    assert _tile_rows([(1, 0, 2), (0, 2, 0), (0, 2, 3)], 5)
+    assert not _tile_rows([(1, 0, 2), (0, 3, 2)], 5)  # row 2 unwritten
+    assert not _tile_rows([(1, 0, 2)], 3)
+    # a row outside every segment still comes out as zeros
+    x, w = torch.ones(5, 4), torch.ones(2, 3, 4)
+    out = local.project(x, w, segments=[(0, 0, 2), (1, 3, 2)])
+    assert out[2].eq(0).all() and out[[0, 1, 3, 4]].eq(4).all()
