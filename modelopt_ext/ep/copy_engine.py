@@ -118,6 +118,7 @@ class _Buffer:
         self.group, self.device = group, device
         self.nbytes = 0
         self.tensor = self.handle = None
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def ensure(self, nbytes: int) -> None:
         if nbytes <= self.nbytes:
@@ -129,6 +130,7 @@ class _Buffer:
             # Kernels and copies of earlier calls may still use the old buffer, here and (through it) on peers.
             torch.cuda.synchronize(self.device)
             self.tensor = self.handle = None
+            self._views.clear()
         self.tensor = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self.tensor, self.group.group_name)
         self.nbytes = size
@@ -136,8 +138,15 @@ class _Buffer:
             logger.info("copy-engine exchange: %.2f GiB of peer-mapped memory per rank", size / 2**30)
 
     def rows(self, rank: int, first_row: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, width] view of `rank`'s buffer starting at row `first_row` (rows of `width` x dtype)."""
-        return self.handle.get_buffer(rank, (rows, width), dtype, first_row * width)
+        """[rows, width] view of `rank`'s buffer starting at row `first_row` (rows of `width` x dtype). One
+        whole-buffer view per (rank, width, dtype) is kept and sliced: `get_buffer` per block cost host time
+        that left small layers waiting for the host."""
+        key = (rank, width, dtype)
+        whole = self._views.get(key)
+        if whole is None:
+            whole = self._views[key] = self.handle.get_buffer(
+                rank, (self.nbytes // (width * dtype.itemsize), width), dtype)
+        return whole[first_row:first_row + rows]
 
 
 _buffers: dict[tuple[str, int], _Buffer] = {}
