@@ -41,8 +41,10 @@ CHUNKS = 2
 # How rows move between ranks: "nccl" (all_to_all_single on the process group's stream), "copy_engine"
 # (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host) or "auto": the copy engines
 # for CUDA tokens when every rank of the job runs on this host (torchrun's LOCAL_WORLD_SIZE equals
-# WORLD_SIZE), NCCL otherwise. Measured side by side in docs/performance.md (session 5).
-TRANSPORT = "auto"
+# WORLD_SIZE), NCCL otherwise. Measured side by side (docs/performance.md, session 5): the copy engines win
+# for large layers (16,384 tokens a rank) and lose for calibration-sized ones (8,192 tokens, top-8), where
+# their per-block copies cost more than they hide; so NCCL stays the default.
+TRANSPORT = "nccl"
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
 
