@@ -119,11 +119,8 @@ def bench_activation(R, I, dev, dt, timed, t, out) -> None:
 
 
 def _glu_form(form: str, gate_up: torch.Tensor) -> torch.Tensor:
-    saved, experts_module.GLU_ON_CUDA = experts_module.GLU_ON_CUDA, form
-    try:
+    with setting(experts_module, "GLU_ON_CUDA", form):
         return experts_module.apply_situ_glu(gate_up, 4.0, 25.0)
-    finally:
-        experts_module.GLU_ON_CUDA = saved
 
 
 def bench_dequant(E, I, H, dev, dt, timed, t, out) -> None:
@@ -155,21 +152,22 @@ def bench_exchange_parts(x, ids, weights, num_experts, K, timed, t) -> None:
 
 
 @contextlib.contextmanager
+def setting(module, name: str, value):
+    """`module.name` set to `value` inside the block."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 def segment_rule(min_rows: int):
-    saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
-    try:
-        yield
-    finally:
-        local.SEGMENT_MIN_ROWS = saved
+    return setting(local, "SEGMENT_MIN_ROWS", min_rows)
 
 
-@contextlib.contextmanager
 def transport(name: str):
-    saved, overlap.TRANSPORT = overlap.TRANSPORT, name
-    try:
-        yield
-    finally:
-        overlap.TRANSPORT = saved
+    return setting(overlap, "TRANSPORT", name)
 
 
 def bench_copy_engine(x, ids, weights, E, group, meta, timed, t, chunks) -> None:
@@ -274,9 +272,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         with segment_rule(0):  # one cuBLAS GEMM per [source][expert] block, whatever its size
             t["experts_segments"] = timed(lambda: experts.run_rows(recv_x, segments))
             for form in [f for f in experts_module.GLU_FORMS[1:] if f != "eager"]:  # the default's alternatives
-                saved, experts_module.GLU_ON_CUDA = experts_module.GLU_ON_CUDA, form
-                t[f"experts_segments_glu_{form}"] = timed(lambda: experts.run_rows(recv_x, segments))
-                experts_module.GLU_ON_CUDA = saved
+                with setting(experts_module, "GLU_ON_CUDA", form):
+                    t[f"experts_segments_glu_{form}"] = timed(lambda: experts.run_rows(recv_x, segments))
         with segment_rule(1 << 62):  # blocks regrouped expert-major, one grouped GEMM per projection
             t["experts_segments_regrouped"] = timed(lambda: experts.run_rows(recv_x, segments))
         t["experts_grouped"] = timed(lambda: experts.run_rows(xs, offs_E=offs_E))

@@ -71,6 +71,15 @@ class PeerPlan:
     capacity_rows: int
 
 
+def _layout(blocks) -> tuple[dict, int]:
+    """(first row of each block, total rows) for (key, rows) blocks laid out back to back in the given order."""
+    starts, row = {}, 0
+    for key, rows in blocks:
+        starts[key] = row
+        row += rows
+    return starts, row
+
+
 def peer_plan(rows_SDCE: list[list[list[list[int]]]], rank: int) -> PeerPlan:
     """The plan for `rank` from rows_SDCE[s][d][c][e]: the rows rank s sends rank d in chunk c for d's local
     expert e (host ints, the same on every rank)."""
@@ -78,32 +87,21 @@ def peer_plan(rows_SDCE: list[list[list[list[int]]]], rank: int) -> PeerPlan:
     C = len(rows_SDCE[0][0]) if W else 0
     E = len(rows_SDCE[0][0][0]) if C else 0
     N = rows_SDCE
-    # receive layout of every rank p: recv_at[p][c][e][s]; send layout: send_at[p][c][d][e]
-    recv_at = [[[[0] * W for _ in range(E)] for _ in range(C)] for _ in range(W)]
-    send_at = [[[[0] * E for _ in range(W)] for _ in range(C)] for _ in range(W)]
-    recv_total, send_total = [0] * W, [0] * W
-    for p in range(W):
-        row = 0
-        for c in range(C):
-            for e in range(E):
-                for s in range(W):
-                    recv_at[p][c][e][s] = row
-                    row += N[s][p][c][e]
-        recv_total[p] = row
-        row = 0
-        for c in range(C):
-            for d in range(W):
-                for e in range(E):
-                    send_at[p][c][d][e] = row
-                    row += N[p][d][c][e]
-        send_total[p] = row
+    recv_at, send_at, recv_total, send_total = [], [], [], []
+    for p in range(W):  # where each block starts in rank p's receive and send layouts
+        starts, total = _layout(((c, e, s), N[s][p][c][e]) for c in range(C) for e in range(E) for s in range(W))
+        recv_at.append(starts)
+        recv_total.append(total)
+        starts, total = _layout(((c, d, e), N[p][d][c][e]) for c in range(C) for d in range(W) for e in range(E))
+        send_at.append(starts)
+        send_total.append(total)
     me = rank
-    chunk_start = [recv_at[me][c][0][0] if E else 0 for c in range(C)]
-    sends = [[(d, send_at[me][c][d][e], recv_at[d][c][e][me], N[me][d][c][e])
+    chunk_start = [recv_at[me][c, 0, 0] if E else 0 for c in range(C)]
+    sends = [[(d, send_at[me][c, d, e], recv_at[d][c, e, me], N[me][d][c][e])
               for d in range(W) for e in range(E) if N[me][d][c][e]] for c in range(C)]
-    returns = [[(s, recv_at[me][c][e][s] - chunk_start[c], recv_total[s] + send_at[s][c][me][e], N[s][me][c][e])
+    returns = [[(s, recv_at[me][c, e, s] - chunk_start[c], recv_total[s] + send_at[s][c, me, e], N[s][me][c][e])
                 for e in range(E) for s in range(W) if N[s][me][c][e]] for c in range(C)]
-    segments = [[(e, recv_at[me][c][e][0] - chunk_start[c], sum(N[s][me][c][e] for s in range(W)))
+    segments = [[(e, recv_at[me][c, e, 0] - chunk_start[c], sum(N[s][me][c][e] for s in range(W)))
                  for e in range(E)] for c in range(C)]
     recv_sizes = [[sum(N[s][me][c]) for s in range(W)] for c in range(C)]
     send_sizes = [[sum(N[me][d][c]) for d in range(W)] for c in range(C)]
@@ -233,14 +231,7 @@ class CopyEngineLink:
         for d, src, dst, n in self.plan.sends[c]:
             rows = source_rows[src - first:src - first + n]
             torch.index_select(x_TH, 0, rows, out=recv_x[dst:dst + n] if d == me else send_x[src:src + n])
-        send_x.record_stream(self.peer_stream)
-        gathered = _recorded(torch.cuda.current_stream())
-        with torch.cuda.stream(self.peer_stream):
-            self.peer_stream.wait_event(gathered)
-            for d, src, dst, n in self._peer_order(self.plan.sends[c]):
-                self.buffer.rows(d, dst, n, self.width, self.dtype).copy_(send_x[src:src + n])
-            self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-            return _Arrived(_recorded(self.peer_stream))
+        return self._copy_to_peers(self.plan.sends[c], send_x)
 
     def send_back(self, c: int, y: torch.Tensor, back: torch.Tensor) -> _Arrived:
         """Chunk c's expert outputs (receive layout) to their sources' return regions: this rank's own blocks
@@ -251,17 +242,19 @@ class CopyEngineLink:
             first = own[0][1] - base
             rows = block_rows([src for src, _, _ in own], [n for _, _, n in own], y.device)
             torch.index_select(y, 0, rows, out=back[first:first + rows.shape[0]])
-        done = _recorded(torch.cuda.current_stream())
-        y.record_stream(self.peer_stream)
+        return self._copy_to_peers(self.plan.returns[c], y)
+
+    def _copy_to_peers(self, copies: list[Copy], source: torch.Tensor) -> _Arrived:
+        """On the side stream, once the compute stream has written `source`: its rows copied into the peers'
+        buffers (the copies to other ranks, rank + 1 first, so that at W > 2 the ranks start on different
+        peers), then a barrier, so the rows every rank sent here have arrived when it completes."""
+        ready = _recorded(torch.cuda.current_stream())
+        source.record_stream(self.peer_stream)
+        peers = sorted((copy for copy in copies if copy[0] != self.rank), key=lambda copy: (copy[0] - self.rank) %
+                       self.world)
         with torch.cuda.stream(self.peer_stream):
-            self.peer_stream.wait_event(done)
-            for s, src, dst, n in self._peer_order(self.plan.returns[c]):
-                self.buffer.rows(s, dst, n, self.width, self.dtype).copy_(y[src:src + n])
+            self.peer_stream.wait_event(ready)
+            for peer, src, dst, n in peers:
+                self.buffer.rows(peer, dst, n, self.width, self.dtype).copy_(source[src:src + n])
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             return _Arrived(_recorded(self.peer_stream))
-
-    def _peer_order(self, copies: list[Copy]) -> list[Copy]:
-        """The copies to other ranks, rank + 1 first: at W > 2 the ranks start on different peers rather than
-        all copying to rank 0."""
-        return sorted((copy for copy in copies if copy[0] != self.rank),
-                      key=lambda copy: (copy[0] - self.rank) % self.world)
