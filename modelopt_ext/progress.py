@@ -73,5 +73,10 @@ def peak_host_bytes() -> int:
 
 
 def peak_device_bytes() -> int | None:
-    """torch.cuda.max_memory_allocated() of the current device; None without CUDA."""
-    return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+    """torch.cuda.max_memory_allocated() of the current device, plus the peer-mapped buffer of the copy-engine
+    exchange on it (allocated outside PyTorch's allocator, so not in its statistics); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from modelopt_ext.ep.copy_engine import peer_mapped_bytes
+
+    return int(torch.cuda.max_memory_allocated()) + peer_mapped_bytes(torch.cuda.current_device())

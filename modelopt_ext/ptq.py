@@ -78,7 +78,7 @@ class PtqSummary:
     seconds: dict[str, float]  # phase -> wall-clock seconds on this rank
     tokens: list[int]  # calibration tokens
     peak_host_bytes: list[int]  # max resident set size
-    peak_device_bytes: list[int | None]  # torch.cuda.max_memory_allocated; None without CUDA
+    peak_device_bytes: list[int | None]  # progress.peak_device_bytes; None without CUDA
     bytes_read: list[int]  # checkpoint bytes read while loading
     bytes_written: list[int]  # tensor bytes written by the export
     coverage: str  # Coverage.summary_line()

@@ -151,6 +151,11 @@ _buffers: dict[tuple[str, int], _Buffer] = {}
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
+def peer_mapped_bytes(device_index: int) -> int:
+    """Bytes of this process's copy-engine buffers on a device (0 when the exchange never ran there)."""
+    return sum(buf.nbytes for (_, index), buf in _buffers.items() if index == device_index)
+
+
 def _buffer(group, device: torch.device) -> _Buffer:
     key = (group.group_name, device.index)
     if key not in _buffers:

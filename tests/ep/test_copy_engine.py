@@ -106,3 +106,15 @@ def test_auto_takes_copy_engines_only_for_cuda_tokens_on_one_host(monkeypatch):
     assert resolve_transport("auto", cuda_like) == "nccl"
     monkeypatch.delenv("WORLD_SIZE")
     assert resolve_transport("auto", cuda_like) == "nccl"
+
+
+def test_peer_mapped_bytes_counts_this_devices_buffers(monkeypatch):
+    from modelopt_ext.ep import copy_engine
+
+    class Grown:
+        nbytes = 3 << 20
+
+    monkeypatch.setattr(copy_engine, "_buffers", {("group0", 0): Grown(), ("group1", 0): Grown(), ("group0", 1): Grown()})
+    assert copy_engine.peer_mapped_bytes(0) == 6 << 20
+    assert copy_engine.peer_mapped_bytes(1) == 3 << 20
+    assert copy_engine.peer_mapped_bytes(2) == 0
