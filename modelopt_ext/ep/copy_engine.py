@@ -5,9 +5,11 @@ SM, the two contend, so chunking the layer hid little of the exchange (docs/perf
 with `cudaMemcpyAsync` between peer-mapped buffers (PyTorch's symmetric memory, CUDA backend): the copy engines
 do the transfer over NVLink and the SMs stay with the GEMMs. Only one-block barrier kernels run on SMs.
 
-Per rank, one symmetric buffer holds two regions: received rows (layout [chunk][source][local expert], as
-NCCL's exchange delivers them) and returned expert outputs (this rank's send layout [chunk][destination][local
-expert]). A call, on one side stream (`_streams`):
+Per rank, one symmetric buffer holds two regions: received rows, laid out expert-major ([chunk][local
+expert][source]: each expert's rows of a chunk are one segment, so the experts run on them in place without
+the regrouping gathers NCCL's [source][expert] blocks need) and returned expert outputs (this rank's send
+layout [chunk][destination][local expert]). Each (peer, expert) block is one copy. A call, on one side
+stream (`_streams`):
   1. a barrier: every rank has finished with its buffers from the previous call (each rank's side stream
      first waits for its compute stream);
   2. per chunk, once its send rows are gathered (rows for this rank itself are gathered straight into its own
