@@ -31,6 +31,12 @@ ENV_DIR, ENV_BATCHES, ENV_STACKS = "MODELOPT_EXT_PROFILE", "MODELOPT_EXT_PROFILE
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "cudaStreamSynchronize")
 
 
+def sync_device() -> None:
+    """Wait for this process's CUDA work, when it has any (so host clocks time the device's work too)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _parse_batches(text: str) -> tuple[int, int]:
     try:
         first, count = (int(v) for v in text.split(":"))
@@ -76,9 +82,6 @@ class BatchProfiler:
         first, count = _parse_batches(os.environ.get(ENV_BATCHES, "2:3"))
         return cls(out_dir, first, count, rank, stacks=os.environ.get(ENV_STACKS, "") == "1")
 
-    def _sync(self) -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
 
     @contextlib.contextmanager
     def batch(self, index: int):
@@ -90,16 +93,16 @@ class BatchProfiler:
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profile = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=self.stacks)
-            self._sync()
+            sync_device()
             self._profile.__enter__()
-        self._sync()
+        sync_device()
         start = time.perf_counter()
         try:
             yield
         except BaseException:
             self._stop()  # the batch failed: leave no profiler running; close() still writes what it has
             raise
-        self._sync()
+        sync_device()
         self.walls_ms.append((time.perf_counter() - start) * 1e3)
         if index == self.first + self.count - 1:
             self._stop()

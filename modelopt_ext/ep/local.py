@@ -182,15 +182,13 @@ def expert_major_offsets(segments: Sequence[Segment], num_experts: int, num_rows
     """`offs_E` for `project` when `segments` already lay the `num_rows` rows out expert-major (each expert at
     most one segment, in expert order, back to back from row 0 to the last): the grouped GEMMs then run on
     the rows in place, with no `regroup` gathers. None for any other layout."""
-    totals, row, last = [0] * num_experts, 0, -1
-    for e, start, rows in segments:
-        if not rows:
-            continue
-        if not last < e < num_experts or start != row:
-            return None
-        totals[e], row, last = rows, row + rows, e
-    if row != num_rows:
+    experts = [e for e, _, rows in segments if rows]
+    if not _tile_rows(segments, num_rows) or any(not 0 <= e < num_experts for e in experts) or any(
+            a >= b for a, b in itertools.pairwise(experts)):
         return None
+    totals = [0] * num_experts
+    for e, _, rows in segments:
+        totals[e] += rows
     return _pinned(list(itertools.accumulate(totals)), device, torch.int32)
 
 

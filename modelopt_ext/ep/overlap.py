@@ -24,6 +24,7 @@ and the two asynchronous steps per chunk (`send`, `send_back`) whose results the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -80,11 +81,11 @@ class Layout:
             return self.segments[c]
         return block_segments([per_chunk[c] for per_chunk in self.recv_blocks])
 
-    @property
+    @functools.cached_property
     def send_off(self) -> list[int]:  # first send row of each chunk, and the total
         return list(_offsets(self.send_sizes))
 
-    @property
+    @functools.cached_property
     def recv_off(self) -> list[int]:
         return list(_offsets(self.recv_sizes))
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from modelopt_ext.dist import mark
-from modelopt_ext.profiling import BatchProfiler
+from modelopt_ext.profiling import BatchProfiler, sync_device
 
 from .collect import check_collected, deferred_checks
 from .coverage import Coverage, record_expert_coverage
@@ -149,8 +149,7 @@ def calibrate(
                     with profiler.batch(i) if profiler is not None else contextlib.nullcontext():
                         m(**batch, use_cache=False)
                     if i == 0:  # first-call costs (kernel choices, caches) apart from the steady loop
-                        if torch.cuda.is_available() and torch.cuda.is_initialized():
-                            torch.cuda.synchronize()
+                        sync_device()
                         marks.append(("first_batch", time.perf_counter()))
                     if progress is not None:
                         progress(i + 1)

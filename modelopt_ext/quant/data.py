@@ -88,6 +88,13 @@ def load_texts(path: str | Path | None, tokenizer=None) -> list[str]:
 ENCODE_SLICE = 512  # texts per tokenizer call in `calibration_batches`
 
 
+def _encoded(tokenizer, texts: list[str]):
+    """Each text's ids, tokenized `ENCODE_SLICE` texts to a call (a fast tokenizer encodes a batch on all
+    cores) and lazily, slice by slice: the same ids as `tokenizer.encode` text by text (special tokens too)."""
+    for first in range(0, len(texts), ENCODE_SLICE):
+        yield from tokenizer(texts[first:first + ENCODE_SLICE])["input_ids"]
+
+
 def calibration_batches(tokenizer, texts: list[str], *, calib_size: int, batch_size: int, seq_len: int,
                         rank: int = 0, world_size: int = 1) -> list[dict[str, torch.Tensor]]:
     """This rank's batches of packed blocks: {"input_ids": [B, seq_len], "attention_mask": ones [B, seq_len]}."""
@@ -99,13 +106,8 @@ def calibration_batches(tokenizer, texts: list[str], *, calib_size: int, batch_s
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     eos = tokenizer.eos_token_id
     stream: list[int] = []
-    # The texts in slices, each tokenized in one call (a fast tokenizer encodes a batch on all cores), until
-    # enough tokens: the same ids as encoding text by text (`tokenizer.encode` also adds special tokens).
-    for first in range(0, len(texts), ENCODE_SLICE):
-        for ids in tokenizer(texts[first:first + ENCODE_SLICE])["input_ids"]:
-            stream += ids + ([eos] if eos is not None else [])
-            if len(stream) >= calib_size * seq_len:
-                break
+    for ids in _encoded(tokenizer, texts):
+        stream += ids + ([eos] if eos is not None else [])
         if len(stream) >= calib_size * seq_len:
             break
     blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)][:calib_size]

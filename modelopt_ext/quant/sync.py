@@ -143,9 +143,9 @@ def check_finite_amax(model: torch.nn.Module) -> None:
     for (name, values), (nan, inf) in zip(named, nan_inf([v for _, v in named])):
         if not (nan or inf):
             continue
-        finite = torch.isfinite(values)
-        kinds = [k for k, n in (("NaN", torch.isnan(values)), ("inf", torch.isinf(values))) if bool(n.any())]
-        bad.append(f"{name} ({int((~finite).sum())} of {values.numel()} amax values {' and '.join(kinds)})")
+        kinds = [k for k, found in (("NaN", nan), ("inf", inf)) if found]
+        bad.append(f"{name} ({int((~torch.isfinite(values)).sum())} of {values.numel()} amax values "
+                   f"{' and '.join(kinds)})")
     if bad:
         listed = bad[:MAX_LISTED_QUANTIZERS]
         if len(bad) > len(listed):
