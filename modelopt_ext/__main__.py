@@ -1,5 +1,5 @@
 """`python -m modelopt_ext ...` runs the command-line interface."""
 
-from modelopt_ext.cli import main
+from modelopt_ext.cli import run
 
-raise SystemExit(main())
+run()

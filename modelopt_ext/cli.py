@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 
 from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
 
@@ -232,6 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"modelopt-ext {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def run(argv: list[str] | None = None):
+    """The `modelopt-ext` / `python -m modelopt_ext` entry point: `main`, then end the process with its
+    status (`dist.end_process`: without interpreter finalization when the command joined a process group)."""
+    from modelopt_ext.dist import end_process
+
+    try:
+        status = main(argv)
+    except Exception:  # noqa: BLE001 - reported here so that the exit below stays the only way out
+        traceback.print_exc()
+        status = 1
+    raise SystemExit(end_process(status))
 
 
 if __name__ == "__main__":

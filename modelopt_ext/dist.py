@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from modelopt_ext.faults import mark, positions, record_failure
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 600.0
+_joined = {"group": False}  # whether this process ever joined a process group through init_distributed
 
 
 class RankFailure(RuntimeError):
@@ -41,8 +43,33 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _joined["group"] = True
     logger.info("joined %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size()
+
+
+def end_process(status: int, *, joined: bool = False) -> int:
+    """End a command-line process that joined a process group without interpreter finalization.
+
+    `destroy_process_group` does not stop gloo's worker threads while anything still refers to the groups,
+    and torch's DTensor sharding cache keeps the device meshes (and their groups) alive for the life of the
+    process. At interpreter finalization a worker thread that drops the last reference to a tensor of its
+    last collective needs the GIL, and Python 3.11 ends such a thread with a forced unwind that aborts the
+    process ("terminate called without an active exception", SIGABRT), after every file was written, and
+    torchrun then reports the run as failed. So once the command has finished (the group destroyed, the
+    export renamed into place), this flushes the logs and standard streams and leaves with `os._exit`,
+    running no atexit handler. Returns `status` when the process never joined a group: through
+    `init_distributed`, or as its caller says (`joined`: a script that called `init_process_group` itself).
+    """
+    if not (joined or _joined["group"] or dist.is_initialized()):
+        return status
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be said on it
+            pass
+    os._exit(status)
 
 
 def _is_comm_error(e: BaseException) -> bool:

@@ -16,14 +16,13 @@ import argparse
 import logging
 import math
 import os
-import sys
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 import modelopt_ext
-from modelopt_ext.dist import DEFAULT_TIMEOUT_S, all_or_fail, init_distributed
+from modelopt_ext.dist import DEFAULT_TIMEOUT_S, all_or_fail, end_process, init_distributed
 
 logger = logging.getLogger("ep_smoke")
 
@@ -129,11 +128,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without tearing the gloo group down (as modelopt_ext.testing.multiproc does): a rank destroying
-    # its group while its peer exits has aborted in C++ ("terminate called without an active exception")
-    # after a passing run, once in a clean-clone test run under load.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    end_process(main(), joined=True)  # see modelopt_ext.dist.end_process

@@ -117,3 +117,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from modelopt_ext.dist import end_process
+
+    end_process(0, joined=True)  # see modelopt_ext.dist.end_process

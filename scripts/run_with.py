@@ -45,4 +45,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, ".")
-    raise SystemExit(main(sys.argv[1:]))
+    from modelopt_ext.dist import end_process
+
+    raise SystemExit(end_process(main(sys.argv[1:])))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_ext.cli import main
+from modelopt_ext.cli import main, run
 from modelopt_ext.models.kimi_k3.standin.generate import make_tiny
 
 
@@ -125,6 +125,40 @@ def test_argparse_errors_exit_2(tmp_path, capsys, argv, monkeypatch):
     assert exc.value.code == 2
     assert "usage:" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def no_group(monkeypatch):
+    """`run` would end this (pytest's) process if it had joined a process group."""
+    import torch.distributed as dist
+
+    import modelopt_ext.dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    monkeypatch.setitem(modelopt_ext.dist._joined, "group", False)
+
+
+def test_run_exits_with_main_status(tmp_path, capsys, monkeypatch, no_group):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        run(["make-tiny", "kimi_k3", str(tmp_path / "ckpt"), "--top-k", "0"])
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_run_reports_an_unexpected_exception_with_its_traceback_and_status_1(capsys, monkeypatch, no_group):
+    import modelopt_ext.cli as cli
+
+    def broken(args):
+        raise RuntimeError("unexpected breakage")
+
+    monkeypatch.setitem(cli.COMMANDS, "plan", (cli.COMMANDS["plan"][0], broken))
+    with pytest.raises(SystemExit) as exc:
+        run(["plan", "--model", "anything", "--nproc", "2"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: unexpected breakage" in err
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,9 +1,14 @@
 """modelopt_ext.dist on real gloo ranks: failing together, agreeing, bounded waits; and init outside torchrun."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
-from modelopt_ext.dist import init_distributed
-from modelopt_ext.testing.multiproc import run_ranks
+from modelopt_ext.dist import end_process, init_distributed
+from modelopt_ext.testing.multiproc import free_port, run_ranks
 
 BODY = "modelopt_ext.testing.ep_bodies:"
 WORLD = 3
@@ -91,3 +96,42 @@ def test_init_distributed_names_only_the_variables_that_are_missing(monkeypatch)
     message = str(info.value)
     assert "MASTER_ADDR" in message and "MASTER_PORT" in message
     assert "'RANK'" not in message and "'WORLD_SIZE'" not in message
+
+
+def test_end_process_returns_the_status_when_no_group_was_joined(monkeypatch):
+    import torch.distributed as dist
+
+    import modelopt_ext.dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    monkeypatch.setitem(modelopt_ext.dist._joined, "group", False)
+    assert end_process(3) == 3
+
+
+# A one-rank gloo group joined through init_distributed, an atexit handler that must not run, output on both
+# streams (buffered: stdout is a pipe) and a log record, then end_process.
+_END_PROCESS = textwrap.dedent("""
+    import atexit, logging, sys
+    from modelopt_ext.dist import end_process, init_distributed
+    import torch.distributed as dist
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    atexit.register(lambda: print("atexit handler ran", flush=True))
+    init_distributed(timeout_s=30)
+    dist.destroy_process_group()
+    print("stdout line")
+    sys.stderr.write("stderr line\\n")
+    logging.getLogger("end").info("log line")
+    end_process(3)
+    print("after end_process", flush=True)
+""")
+
+
+def test_end_process_after_a_group_flushes_and_exits_without_finalization(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", _END_PROCESS], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stdout == "stdout line\n", proc.stdout
+    assert "stderr line" in proc.stderr and "log line" in proc.stderr, proc.stderr
+    assert "atexit handler ran" not in proc.stdout + proc.stderr

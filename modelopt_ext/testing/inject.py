@@ -2,12 +2,15 @@
 fault injected on one rank, for the fault tests (tests/test_faults.py).
 
 KIND: raise (an exception in the step's own code), kill (SIGKILL: the process vanishes), stall (sleeps
-far beyond every timeout). PHASE: load (while reading the checkpoint), calibrate (before batch 2),
-export (at the third unit, decoder layer 1).
+far beyond every timeout), abort (SIGABRT). PHASE: load (while reading the checkpoint), calibrate (before
+batch 2), export (at the third unit, decoder layer 1), exit (at interpreter finalization, after the command
+finished: an atexit handler, standing for gloo's worker threads that can abort a finalizing interpreter;
+see `modelopt_ext.dist.end_process`).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -21,6 +24,8 @@ def _fault(kind: str, phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "stall":
         time.sleep(3600)
+    if kind == "abort":
+        os.abort()
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
@@ -43,6 +48,8 @@ def install(kind: str, phase: str) -> None:
                 _fault(kind, phase)
 
         calibrate.mark = mark
+    elif phase == "exit":
+        atexit.register(_fault, kind, phase)
     elif phase == "export":
         import modelopt_ext.export.writer as writer
 
@@ -59,16 +66,17 @@ def install(kind: str, phase: str) -> None:
         raise ValueError(f"unknown phase {phase!r}")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
+    """Install the fault on its rank, then run the CLI the way `python -m modelopt_ext` does."""
     kind, phase, rank, sep, *rest = argv
     if sep != "--":
         raise SystemExit("usage: inject KIND PHASE RANK -- ARGS")
     if os.environ.get("RANK") == rank:
         install(kind, phase)
-    from modelopt_ext.cli import main as cli_main
+    from modelopt_ext.cli import run
 
-    return cli_main(rest)
+    run(rest)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    main(sys.argv[1:])

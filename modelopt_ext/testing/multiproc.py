@@ -60,16 +60,16 @@ def run_ranks(target: str, world_size: int, kwargs: dict[str, Any] | None = None
 
 
 def _worker(target: str, tmp: str) -> None:
-    """Run the body, save its result and leave without tearing the process group down: rank 0 hosts the
-    store, and a rank still destroying its group when rank 0 has exited can abort in C++ destructors
-    ("terminate called without an active exception"), failing a passing run. So every rank marks itself done
-    in the store (not a collective: a body may leave the group broken on purpose) and rank 0 leaves last."""
+    """Run the body, save its result and leave without tearing the process group down or finalizing the
+    interpreter (`modelopt_ext.dist.end_process`: gloo's threads can abort a finalizing interpreter, failing a
+    passing run). Rank 0 hosts the store, so every rank marks itself done in the store (not a collective: a
+    body may leave the group broken on purpose) and rank 0 leaves last."""
     import datetime
     import traceback
 
     import torch.distributed as dist
 
-    from modelopt_ext.dist import init_distributed
+    from modelopt_ext.dist import end_process, init_distributed
 
     module_name, fn_name = target.split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
@@ -90,9 +90,7 @@ def _worker(target: str, tmp: str) -> None:
                 store.wait([f"multiproc/done/{r}" for r in range(world)], datetime.timedelta(seconds=60))
         except Exception:  # noqa: BLE001 - a peer died: nothing to wait for
             pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        end_process(status)
 
 
 if __name__ == "__main__":
