@@ -300,3 +300,43 @@ def test_ranks_fail_together_on_differing_arguments(tiny_ckpt, tmp_path):
     # only the differing argument is named
     assert all("rank 0 has {'seq_len': 16}, rank 1 has {'seq_len': 32}" in line for line in errors), errors
     assert not (tmp_path / "out").exists()
+
+
+_LEAVES_NOTHING = '''
+import gc, json, os, sys, weakref
+import modelopt_ext
+from modelopt_ext import ptq
+from modelopt_ext.cli import build_parser
+
+loaded = []
+load = modelopt_ext.from_pretrained
+def recording_load(*args, **kwargs):
+    model = load(*args, **kwargs)
+    loaded.append(weakref.ref(model))
+    return model
+modelopt_ext.from_pretrained = recording_load
+
+ptq.run_ptq(build_parser().parse_args(sys.argv[1:]))
+gc.collect()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("RESULT " + json.dumps({"rank": os.environ["RANK"], "model_freed": loaded[0]() is None,
+                              "gloo_threads": sum(n.startswith(("pt_gloo", "gloo_tcp")) for n in names)}), flush=True)
+os._exit(0)
+'''
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+def test_run_ptq_frees_the_model_and_the_process_groups_threads(tiny_ckpt, tmp_path):
+    """Once `run_ptq` returns on EP ranks, nothing pins the model, and no gloo thread is left running: the
+    groups are gone, not only destroyed (`ptq.leave_process_group`; ModelOpt's first import,
+    `quant.modelopt_import`). A fresh interpreter per rank, so the first import of ModelOpt is the run's."""
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "ptq_leaves")
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES_NOTHING)
+    proc = _torchrun(tmp_path, "ptq", "--model", str(model), "--export-dir", str(tmp_path / "out"), "--no-progress",
+                     *FAST, script=str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert len(results) == 2, proc.stdout[-3000:]
+    for r in results:
+        assert r["model_freed"] and r["gloo_threads"] == 0, results

@@ -94,6 +94,9 @@ def fused_property_weights():
     """ModelOpt lists a module's weights from its parameters (`weight_attr_names`), so fused experts whose
     weights are computed from packed storage look unquantized to `get_quant_config` (their MoE block ends
     up in `exclude_modules`). Inside this context their fused projections are listed too."""
+    from modelopt_ext.quant.modelopt_import import import_modelopt
+
+    import_modelopt()
     quant_utils = importlib.import_module("modelopt.torch.export.quant_utils")
     original = quant_utils.weight_attr_names
 
