@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,9 @@ from modelopt_ext.dist import RankFailure, agree, all_or_fail, gather_objects, i
 from modelopt_ext.export import writer
 from modelopt_ext.faults import FailureWatch
 from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
-from modelopt_ext.quant import recipes
+
+if TYPE_CHECKING:  # imported where used: modelopt_ext.quant imports ModelOpt (seconds), after the cheap checks
+    from modelopt_ext.quant import recipes
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,8 @@ def check_sizes(args) -> None:
 
 def recipe_name(path: Path) -> str:
     """`kimi_k3/fp8_all` for a shipped recipe, the path otherwise."""
+    from modelopt_ext.quant import recipes
+
     with contextlib.suppress(ValueError):
         return Path(path).relative_to(recipes.RECIPES_DIR).with_suffix("").as_posix()
     return str(path)
@@ -152,7 +156,6 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     from modelopt_ext.export.files import check_experts_per_file
     from modelopt_ext.families import family_for_config
     from modelopt_ext.lock import check_remote_code, load_lock
-    from modelopt_ext.quant.data import load_texts
 
     check_sizes(args)
     if args.calib_size < world_size:
@@ -176,6 +179,9 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
         if problems:
             raise ValueError(f"{what} with {world_size} rank(s): " + "; ".join(problems))
     check_experts_per_file(num_experts, ep_size or 1, args.experts_per_file)
+    from modelopt_ext.quant import recipes  # ModelOpt's first import, off this stack (quant.modelopt_import)
+    from modelopt_ext.quant.data import load_texts
+
     if args.qformat is not None:
         source = recipes.recipe_for_qformat(args.qformat, family.name)
     elif args.recipe is not None:
@@ -300,6 +306,7 @@ class _Run:
         return modelopt_ext.from_pretrained(a.model, ep_size=self.ep_size, dense=a.dense, timeout_s=a.timeout, **kwargs)
 
     def _calibrate(self, model, inputs: Inputs):
+        from modelopt_ext.quant import recipes
         from modelopt_ext.quant.calibrate import calibrate
         from modelopt_ext.quant.data import calibration_batches
 

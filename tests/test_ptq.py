@@ -340,3 +340,12 @@ def test_run_ptq_frees_the_model_and_the_process_groups_threads(tiny_ckpt, tmp_p
     assert len(results) == 2, proc.stdout[-3000:]
     for r in results:
         assert r["model_freed"] and r["gloo_threads"] == 0, results
+
+
+def test_importing_ptq_does_not_import_modelopt():
+    """ModelOpt (seconds to import) comes in during validate, after the checkpoint checks: a wrong --model
+    fails without waiting for it."""
+    probe = "import sys, modelopt_ext.cli, modelopt_ext.ptq; print(sorted(m for m in sys.modules if m.startswith('modelopt.')))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
