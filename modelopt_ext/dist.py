@@ -51,12 +51,12 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
 def end_process(status: int, *, joined: bool = False) -> int:
     """End a command-line process that joined a process group without interpreter finalization.
 
-    `destroy_process_group` does not stop gloo's worker threads while anything still refers to the groups,
-    and torch's DTensor sharding cache keeps the device meshes (and their groups) alive for the life of the
-    process. At interpreter finalization a worker thread that drops the last reference to a tensor of its
-    last collective needs the GIL, and Python 3.11 ends such a thread with a forced unwind that aborts the
-    process ("terminate called without an active exception", SIGABRT), after every file was written, and
-    torchrun then reports the run as failed. So once the command has finished (the group destroyed, the
+    `destroy_process_group` does not stop gloo's worker threads while anything still refers to the groups
+    (a device mesh, torch's DTensor sharding cache; `ptq.leave_process_group` clears what it knows of). Such
+    threads are torn down at interpreter finalization, where Python 3.11 ends a thread that takes the GIL
+    with a forced unwind; through a C++ `noexcept` frame that aborts the process ("terminate called without
+    an active exception", SIGABRT) after every file was written, and torchrun reports the run as failed
+    (seen once in CI; docs/reliability.md). So once the command has finished (the group destroyed, the
     export renamed into place), this flushes the logs and standard streams and leaves with `os._exit`,
     running no atexit handler. Returns `status` when the process never joined a group: through
     `init_distributed`, or as its caller says (`joined`: a script that called `init_process_group` itself).

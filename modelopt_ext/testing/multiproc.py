@@ -90,7 +90,7 @@ def _worker(target: str, tmp: str) -> None:
                 store.wait([f"multiproc/done/{r}" for r in range(world)], datetime.timedelta(seconds=60))
         except Exception:  # noqa: BLE001 - a peer died: nothing to wait for
             pass
-        end_process(status)
+        end_process(status, joined=True)
 
 
 if __name__ == "__main__":
