@@ -11,6 +11,7 @@ the survivors' message names that rank and what it was doing, not only that a co
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -48,11 +49,27 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_process_group() -> None:
+    """Destroy the process group and let its threads go. `destroy_process_group` leaves each group's gloo
+    threads running while anything refers to the group: the device meshes do, and torch's DTensor
+    sharding-propagation cache keeps the meshes (and so every EP group) for the life of the process. The cache
+    is cleared (best effort: a private torch helper), then a collection frees the meshes and joins the
+    threads here rather than at interpreter exit (see `end_process`)."""
+    dist.destroy_process_group()
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # another torch: its cache keeps the groups until the process ends
+        logger.debug("torch has no DTensor sharding-cache helper; process-group threads stay until exit")
+    else:
+        _clear_sharding_prop_cache()
+    gc.collect()
+
+
 def end_process(status: int, *, joined: bool = False) -> int:
     """End a command-line process that joined a process group without interpreter finalization.
 
     `destroy_process_group` does not stop gloo's worker threads while anything still refers to the groups
-    (a device mesh, torch's DTensor sharding cache; `ptq.leave_process_group` clears what it knows of). Such
+    (a device mesh, torch's DTensor sharding cache; `leave_process_group` clears what it knows of). Such
     threads are torn down at interpreter finalization, where Python 3.11 ends a thread that takes the GIL
     with a forced unwind; through a C++ `noexcept` frame that aborts the process ("terminate called without
     an active exception", SIGABRT) after every file was written, and torchrun reports the run as failed

@@ -82,7 +82,6 @@ class BatchProfiler:
         first, count = _parse_batches(os.environ.get(ENV_BATCHES, "2:3"))
         return cls(out_dir, first, count, rank, stacks=os.environ.get(ENV_STACKS, "") == "1")
 
-
     @contextlib.contextmanager
     def batch(self, index: int):
         if not self.first <= index < self.first + self.count:

@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 
 import modelopt_ext
-from modelopt_ext.dist import RankFailure, agree, all_or_fail, gather_objects, init_distributed
+from modelopt_ext.dist import (
+    RankFailure,
+    agree,
+    all_or_fail,
+    gather_objects,
+    init_distributed,
+    leave_process_group,
+)
 from modelopt_ext.export import writer
 from modelopt_ext.faults import FailureWatch
 from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
@@ -212,24 +219,6 @@ def run_ptq(args) -> PtqSummary:
     finally:
         if run.owns_group:
             leave_process_group()
-
-
-def leave_process_group() -> None:
-    """Destroy the process group and let its threads go. `destroy_process_group` leaves each group's gloo
-    threads running while anything refers to the group: the device meshes do, and torch's DTensor
-    sharding-propagation cache keeps the meshes (and so every EP group) for the life of the process. The cache
-    is cleared (best effort: a private torch helper), then a collection frees the meshes and joins the
-    threads here rather than at interpreter exit (see `dist.end_process`)."""
-    import gc
-
-    dist.destroy_process_group()
-    try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # another torch: its cache keeps the groups until the process ends
-        logger.debug("torch has no DTensor sharding-cache helper; process-group threads stay until exit")
-    else:
-        _clear_sharding_prop_cache()
-    gc.collect()
 
 
 class _Run:

@@ -328,7 +328,7 @@ os._exit(0)
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
 def test_run_ptq_frees_the_model_and_the_process_groups_threads(tiny_ckpt, tmp_path):
     """Once `run_ptq` returns on EP ranks, nothing pins the model, and no gloo thread is left running: the
-    groups are gone, not only destroyed (`ptq.leave_process_group`; ModelOpt's first import,
+    groups are gone, not only destroyed (`dist.leave_process_group`; ModelOpt's first import,
     `quant.modelopt_import`). A fresh interpreter per rank, so the first import of ModelOpt is the run's."""
     model = copy_checkpoint(tiny_ckpt, tmp_path, "ptq_leaves")
     script = tmp_path / "leaves.py"

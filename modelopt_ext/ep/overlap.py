@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -83,19 +84,11 @@ class Layout:
 
     @functools.cached_property
     def send_off(self) -> list[int]:  # first send row of each chunk, and the total
-        return list(_offsets(self.send_sizes))
+        return list(itertools.accumulate(map(sum, self.send_sizes), initial=0))
 
     @functools.cached_property
     def recv_off(self) -> list[int]:
-        return list(_offsets(self.recv_sizes))
-
-
-def _offsets(sizes_CW: list[list[int]]):
-    row = 0
-    yield row
-    for per_rank in sizes_CW:
-        row += sum(per_rank)
-        yield row
+        return list(itertools.accumulate(map(sum, self.recv_sizes), initial=0))
 
 
 class NcclLink:
