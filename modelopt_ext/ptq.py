@@ -10,8 +10,9 @@ Phases, each timed, run on every rank in step:
   data, the export folder (`check_export_dir`).
   Under torchrun the ranks first check that they all got the same arguments (`dist.agree`).
 - load: `modelopt_ext.from_pretrained` with EP degree `--ep` (default: the world size under torchrun).
-- calibrate: the recipe's quant config with the family's exclusions, this rank's batches (cut to the same
-  count on every rank: EP forwards are collective), `calibrate`. The recipe's patterns are checked against
+- calibrate: the recipe's quant config with the family's exclusions, this rank's batches (tokenized on a
+  thread started at the end of validate, so it overlaps the load; cut to the same count on every rank: EP
+  forwards are collective), `calibrate`. The recipe's patterns are checked against
   the quantized model after the first batch rather than after the whole run.
 - export: `export_checkpoint`, with the expert coverage (coverage.json, coverage.png) added to the export.
 - summary: per-rank figures gathered to every rank (`PtqSummary`), logged on rank 0.
@@ -22,6 +23,7 @@ leaves `run_ptq` as `PtqError`, whose message starts with the phase.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -91,7 +93,8 @@ class PtqSummary:
     bytes_read: list[int]  # checkpoint bytes read while loading
     bytes_written: list[int]  # tensor bytes written by the export
     coverage: str  # Coverage.summary_line()
-    # per rank: the calibrate phase's parts (`quant.calibrate.CalibrationResult.seconds`)
+    # per rank: the calibrate phase's parts (`quant.calibrate.CalibrationResult.seconds`) after "prepare",
+    # and first "tokenize": the tokenizing thread's seconds, spent while the model loaded (not in the phase)
     calibrate_parts: list[dict[str, float]] = dataclasses.field(default_factory=list)
     rank: int = dataclasses.field(default=0, compare=False)  # the rank holding this copy
 
@@ -254,10 +257,14 @@ class _Run:
             inputs = all_or_fail(
                 "validate", lambda: validate(a, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)
             )
-        with self.phase("load"):
-            model = all_or_fail("load", self._load)
-        with self.phase("calibrate"):
-            result, tokens = self._calibrate(model, inputs)
+        # this rank's batches are tokenized while the model loads; leaving the block waits for the thread,
+        # so a failed load leaves no thread behind (tokenizing is local work of seconds)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptq-tokenize") as pool:
+            tokenizing = pool.submit(self._batches, inputs)
+            with self.phase("load"):
+                model = all_or_fail("load", self._load)
+            with self.phase("calibrate"):
+                result, tokens = self._calibrate(model, inputs, tokenizing)
         with self.phase("export"):
             export = all_or_fail("export", lambda: self._export(result))
         with self.phase("summary"):
@@ -294,22 +301,30 @@ class _Run:
             return modelopt_ext.from_pretrained(a.model, **kwargs)
         return modelopt_ext.from_pretrained(a.model, ep_size=self.ep_size, dense=a.dense, timeout_s=a.timeout, **kwargs)
 
-    def _calibrate(self, model, inputs: Inputs):
-        from modelopt_ext.quant import recipes
-        from modelopt_ext.quant.calibrate import calibrate
+    def _batches(self, inputs: Inputs) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """This rank's calibration batches and the seconds tokenizing took (`main` runs it on a thread while
+        the model loads: a fast tokenizer releases the GIL while it encodes)."""
         from modelopt_ext.quant.data import calibration_batches
 
         a = self.args
-        sizes = {"calib_size": a.calib_size, "batch_size": a.batch_size, "seq_len": a.seq_len}
+        started = time.perf_counter()
+        batches = calibration_batches(inputs.tokenizer, inputs.texts, calib_size=a.calib_size,
+                                      batch_size=a.batch_size, seq_len=a.seq_len, rank=self.rank,
+                                      world_size=self.world_size)
+        return batches, round(time.perf_counter() - started, 3)
+
+    def _calibrate(self, model, inputs: Inputs, tokenizing: concurrent.futures.Future):
+        from modelopt_ext.quant import recipes
+        from modelopt_ext.quant.calibrate import calibrate
+
+        a = self.args
 
         def prepare():
             cfg = recipes.quant_config(inputs.recipe, model.config)
-            return cfg, calibration_batches(
-                inputs.tokenizer, inputs.texts, **sizes, rank=self.rank, world_size=self.world_size
-            )
+            return cfg, *tokenizing.result()  # the tokenizing thread's exception, raised here
 
         started = time.perf_counter()
-        cfg, batches = all_or_fail("calibrate", prepare)
+        cfg, batches, tokenized = all_or_fail("calibrate", prepare)
         counts = gather_objects(len(batches))  # every rank must run the same number of (collective) EP forwards
         if min(counts) < len(batches):
             logger.warning("rank %d: calibrating on %d of its %d batches", self.rank, min(counts), len(batches))
@@ -327,10 +342,10 @@ class _Run:
 
         options = {"router_glob": inputs.family.router_glob, "num_experts": inputs.num_experts}
         options.update(uncovered=a.uncovered_experts, progress=on_batch)
-        prepared = time.perf_counter() - started  # the recipe's config, tokenizing, batches on the device
+        prepared = time.perf_counter() - started  # the recipe's config, waiting for the batches, on the device
         with bar:
             result = all_or_fail("calibrate", lambda: calibrate(model, cfg, batches, **options))
-        result.seconds = {"prepare": round(prepared, 3), **result.seconds}
+        result.seconds = {"tokenize": tokenized, "prepare": round(prepared, 3), **result.seconds}
         return result, tokens
 
     def _export(self, result):

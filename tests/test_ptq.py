@@ -11,9 +11,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from modelopt_ext import ptq
 from modelopt_ext.cli import build_parser, main
@@ -170,6 +174,78 @@ def test_pattern_matching_nothing_fails_after_the_first_batch(tiny_ckpt, tmp_pat
     assert batches == []  # raised at the first batch, before the bar moved
 
 
+def test_batches_are_tokenized_while_the_model_loads(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """A thread tokenizes this rank's batches from the end of validate on, while the model loads; the
+    calibration gets the batches of a direct `calibration_batches` call."""
+    import modelopt_ext.quant.calibrate as calibrate_module
+    from modelopt_ext.quant import data
+
+    started, seen = threading.Event(), {}
+    tokenize, load = data.calibration_batches, ptq._Run._load
+
+    def recording_tokenize(*args, **kwargs):
+        seen["thread"] = threading.current_thread().name
+        started.set()
+        return tokenize(*args, **kwargs)
+
+    def waiting_load(self):
+        seen["started_before_load_ended"] = started.wait(timeout=10)
+        return load(self)
+
+    def stop(model, cfg, batches, **options):
+        seen["batches"] = batches
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(writer, "check_export_dir", lambda d, overwrite: Path(d).absolute())
+    monkeypatch.setattr(data, "calibration_batches", recording_tokenize)
+    monkeypatch.setattr(ptq._Run, "_load", waiting_load)
+    monkeypatch.setattr(calibrate_module, "calibrate", stop)
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "ptq_tokenize")
+    assert main(["ptq", "--model", str(model), "--export-dir", str(tmp_path / "out"), *FAST]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: calibrate: RuntimeError: stop here")
+    assert seen["started_before_load_ended"] and seen["thread"].startswith("ptq-tokenize")
+    tokenizer = AutoTokenizer.from_pretrained(str(model), trust_remote_code=False)
+    expected = tokenize(tokenizer, data.load_texts(None), calib_size=8, batch_size=2, seq_len=16)
+    assert len(seen["batches"]) == len(expected) == 4
+    for got, want in zip(seen["batches"], expected):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_too_little_text_fails_the_calibrate_phase(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """The tokenizing thread's error is raised in the calibrate phase, with its message."""
+    monkeypatch.setattr(writer, "check_export_dir", lambda d, overwrite: Path(d).absolute())
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "ptq_short_text")
+    (tmp_path / "short.txt").write_text("a short text of a few tokens\n")
+    argv = ["ptq", "--model", str(model), "--export-dir", str(tmp_path / "out"), *FAST]
+    assert main([*argv, "--dataset", str(tmp_path / "short.txt"), "--seq-len", "512"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("modelopt-ext ptq: error: calibrate: the calibration text yields no block of 512 tokens: "
+                          "its 1 samples give "), err
+    assert err.endswith("tokens; give more text or a smaller seq_len"), err
+
+
+def test_a_failed_load_leaves_no_tokenizing_thread(ckpt, tmp_path, monkeypatch, capsys):
+    """The run waits for the tokenizing thread when the load fails, rather than leaving it running."""
+    from modelopt_ext.quant import data
+
+    tokenize, calls = data.calibration_batches, []
+
+    def slow_tokenize(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.5)
+        return tokenize(*args, **kwargs)
+
+    def failing_load(self):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(writer, "check_export_dir", lambda d, overwrite: Path(d).absolute())
+    monkeypatch.setattr(data, "calibration_batches", slow_tokenize)
+    monkeypatch.setattr(ptq._Run, "_load", failing_load)
+    assert main(["ptq", "--model", str(ckpt), "--export-dir", str(tmp_path / "out"), *FAST]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "modelopt-ext ptq: error: load: disk gone"
+    assert calls == [1] and not [t for t in threading.enumerate() if t.name.startswith("ptq-tokenize")]
+
+
 @EXPORTER
 def test_export_dir_is_checked_before_loading(ckpt, tmp_path, loads, capsys):
     (tmp_path / "file").write_text("x")
@@ -248,12 +324,12 @@ def test_single_process(single_run):
     start = next(i for i, line in enumerate(lines) if line.startswith("exported "))
     assert lines[start].startswith(f"exported {root / 'export'} (recipe kimi_k3/nvfp4_experts-fp8_attention")
     fields = {k: v for k, v in summary.items() if k not in ("calib_tokens", "tokens_per_s", "forward_tokens_per_s")}
-    # the calibrate phase's parts, in order, add up to no more than the phase; the forward loop's rate is at
-    # least the phase's
+    # the calibrate phase's parts, in order, add up to no more than the phase (tokenizing ran during the load);
+    # the forward loop's rate is at least the phase's
     parts = summary["calibrate_parts"][0]
-    assert list(parts) == ["prepare", "convert", "first_batch", "forward", "finish", "sync", "coverage"]
-    assert parts["first_batch"] > 0 and parts["forward"] > 0
-    assert sum(parts.values()) <= summary["seconds"]["calibrate"] + 0.01
+    assert list(parts) == ["tokenize", "prepare", "convert", "first_batch", "forward", "finish", "sync", "coverage"]
+    assert parts["tokenize"] >= 0 and parts["first_batch"] > 0 and parts["forward"] > 0
+    assert sum(parts.values()) - parts["tokenize"] <= summary["seconds"]["calibrate"] + 0.01
     assert summary["forward_tokens_per_s"] >= summary["tokens_per_s"]
     assert lines[start + 1 :] == ptq.PtqSummary(**fields).lines()[1:]
     assert "calibrate" in err  # rank 0's progress bar
@@ -270,6 +346,7 @@ def test_two_ranks_under_torchrun(ep2_run):
     summary = json.loads((root / "summary.json").read_text())
     assert (summary["world_size"], summary["ep_size"], summary["tokens"]) == (2, 2, [64, 64])
     assert all(n > 0 for n in summary["bytes_read"] + summary["bytes_written"])
+    assert all("tokenize" in parts for parts in summary["calibrate_parts"])  # each rank tokenized its own
     assert out.count("exported ") == 1 and "rank 1: peak memory" in out  # printed by rank 0 only
     assert "batch/s" not in err  # --no-progress
 
