@@ -7,7 +7,8 @@ Per rank (defaults): latent width 3584, expert width 3072, top-16, 14 experts pe
 top-k router over all W*14 experts. Median of --reps timings (CUDA events on GPUs) after --warmup, ranks in
 lock step. Measured in the same run:
   - layer_ours[C]: router + `ep.overlap.overlapped_moe` with C chunks (exchange overlapped with the experts,
-    experts in place on the received blocks, fused weighted combine);
+    experts in place on the received blocks, fused weighted combine), NCCL with each token sent once per rank
+    (`ep.token_link`); layer_slots[C]: the same with one row per slot (`overlap.TOKEN_DISPATCH = False`);
   - layer_before: router + `ep.dispatch` + transformers' grouped_mm experts function + `combine` (the path
     `torch_a2a` takes for calibration and autograd);
   - parts: the two bare `torch._grouped_mm` GEMMs on the rows this rank receives + raw `all_to_all_single`
@@ -17,7 +18,8 @@ lock step. Measured in the same run:
     the local experts (reference vs fused kernel);
   - with --carveouts N: cuBLASLt GEMMs told to leave N SMs free (`torch._C._set_sm_carveout_experimental`),
     bare and inside the overlapped layer;
-  - dispatch+combine alone (identity experts) against the raw exchange;
+  - dispatch+combine alone (identity experts) against the raw exchange of the slot rows (the yardstick) and
+    against a raw exchange of the bytes the token dispatch moves (token rows out, slot rows back);
   - the layer with a new routing on every call ("varying": per-shape host costs show, as in calibration),
     with the default rule for small blocks (`ep.local.SEGMENT_MIN_ROWS`: regrouped) and with one GEMM per
     block.
@@ -170,6 +172,22 @@ def transport(name: str):
     return setting(overlap, "TRANSPORT", name)
 
 
+def slot_rows():
+    """NCCL with one row per slot (`ep.overlap.NcclLink`), instead of the token dispatch (`ep.token_link`)."""
+    return setting(overlap, "TOKEN_DISPATCH", False)
+
+
+def token_split_sizes(ids, E: int, group) -> tuple[list[int], list[int]]:
+    """Token rows this rank sends to / receives from each rank under the token dispatch (one per token and
+    rank owning one of its experts), for the raw exchange of the bytes it moves."""
+    W = dist.get_world_size(group)
+    sent_TW = torch.zeros(ids.shape[0], W, dtype=torch.bool, device=ids.device).scatter_(1, ids // E, True)
+    send = sent_TW.sum(0)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return send.tolist(), recv.tolist()
+
+
 def bench_copy_engine(x, ids, weights, E, group, meta, timed, t, chunks) -> None:
     """Dispatch+combine through the copy engines, and the raw copy-engine exchange of the same rows: each peer's
     rows copied into its peer-mapped buffer and back, with the barriers that make them visible."""
@@ -265,6 +283,16 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
             dist.all_to_all_single(back, recv, list(meta.send_sizes), list(meta.recv_sizes), group=group)
 
         t["raw_all_to_all"] = timed(raw)
+        # the same, but the dispatch carries the token rows the token dispatch sends (the return stays per slot)
+        tok_send, tok_recv = token_split_sizes(ids, E, group)
+        out.update(token_rows_sent=sum(tok_send), slot_rows_sent=sum(meta.send_sizes))
+        tok_out, tok_in = x.new_empty(sum(tok_send), H).normal_(), x.new_empty(sum(tok_recv), H)
+
+        def raw_token_bytes():
+            dist.all_to_all_single(tok_in, tok_out, tok_recv, tok_send, group=group)
+            dist.all_to_all_single(back, recv, list(meta.send_sizes), list(meta.recv_sizes), group=group)
+
+        t["raw_all_to_all_token_bytes"] = timed(raw_token_bytes)
         # the same GEMM shapes as one dense matmul each (one expert's weights for all rows): what the grouped
         # GEMMs would reach at this size and the clocks of a long run
         t["dense_same_shapes"] = timed(lambda: (torch.mm(xs, w13[0].t()), torch.mm(h, w2[0].t())))
@@ -292,6 +320,10 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         for c in args.chunks[1:]:
             t[f"exchange_ours_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
                                                                     chunks=c, transport="nccl"))
+        with slot_rows():
+            for c in args.chunks:
+                t[f"exchange_slots_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
+                                                                         chunks=c, transport="nccl"))
 
         def exchange_before():
             rx, _, m = dispatch(x, ids, E, group)
@@ -319,6 +351,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         t["layer_before"] = timed(layer_before)
         for c in args.chunks:
             t[f"layer_ours_c{c}"] = timed(lambda: layer_ours(c))
+            with slot_rows():
+                t[f"layer_slots_c{c}"] = timed(lambda: layer_ours(c))
             if "copy_engine" in args.transports:
                 t[f"layer_ce_c{c}"] = timed(lambda: layer_ce(c))
         if args.trace and dev == "cuda":
@@ -326,7 +360,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                                            tokens)
         # a new routing on every call (as in calibration: every batch routes differently), so per-shape host
         # costs (cuBLAS heuristics for a row count it has not seen) show; default segment rule, then forced
-        varying_runs = 2 + ("copy_engine" in args.transports)
+        varying_runs = 3 + ("copy_engine" in args.transports)
         variants = iter([x + 0.05 * torch.randn_like(x) for _ in range(args.warmup + args.reps)] * varying_runs)
 
         def layer_varying(c):
@@ -342,6 +376,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                 t[f"layer_ce_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
         with segment_rule(0), transport("nccl"):
             t[f"layer_ours_c{c_mid}_varying_per_block"] = timed(lambda: layer_varying(c_mid))
+        with slot_rows(), transport("nccl"):
+            t[f"layer_slots_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
         variants = None  # free the inputs
         # SMs left to NCCL while the GEMMs run (cuBLASLt's SM count target), so the exchange can overlap them
         for sms in (n for n in args.carveouts if n and dev == "cuda"):
@@ -357,6 +393,9 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                 torch.backends.cuda.preferred_blas_library("default")
         y_before, y_ours = layer_before().float(), layer_ours(args.chunks[-1]).float()
         out["layer_max_abs_diff"] = float((y_ours - y_before).abs().max())
+        with slot_rows():
+            y_slots = layer_ours(args.chunks[-1]).float()
+        out["token_dispatch_identical_to_slot_rows"] = bool(torch.equal(y_slots, y_ours))
         if "copy_engine" in args.transports:  # expert-major blocks: one GEMM per expert, not per (source, expert)
             for c in args.chunks:
                 out[f"layer_ce_c{c}_max_abs_diff_vs_nccl"] = float((layer_ce(c).float() - layer_ours(c).float()
@@ -369,7 +408,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
 def summarize(run: dict, matmul_tflops: float) -> dict:
     t = run["ms"]
     parts = t["bare_grouped_gemms"] + t["raw_all_to_all"]
-    layers = {k: v for k, v in t.items() if k.startswith(("layer_ours_c", "layer_ce_c"))}
+    layers = {k: v for k, v in t.items() if k.startswith(("layer_ours_c", "layer_slots_c", "layer_ce_c"))}
     best = min(layers, key=layers.get)
     blocks = ("dense_same_shapes", "bare_grouped_gemms", "bare_segment_gemms", "experts_segments", "experts_grouped",
               "experts_transformers", *(k for k in t if k.startswith(("experts_segments_", "bare_segment_gemms_"))))
@@ -381,6 +420,11 @@ def summarize(run: dict, matmul_tflops: float) -> dict:
             "TFLOPs": tflops, **{f"{k}_over_matmul": v / matmul_tflops for k, v in tflops.items()},
             "raw_over_exchange_ours": t["raw_all_to_all"] / min(v for k, v in t.items()
                                                                  if k.startswith("exchange_ours")),
+            "raw_over_exchange_slots": t["raw_all_to_all"] / min(v for k, v in t.items()
+                                                                 if k.startswith("exchange_slots")),
+            "raw_token_bytes_over_exchange_ours": t["raw_all_to_all_token_bytes"] / min(
+                v for k, v in t.items() if k.startswith("exchange_ours")),
+            "token_rows_over_slot_rows": run["token_rows_sent"] / run["slot_rows_sent"],
             **({"raw_over_exchange_ce": t["raw_all_to_all"] / min(v for k, v in t.items()
                                                                   if k.startswith("exchange_ce")),
                 "raw_copy_engine_over_exchange_ce": t["raw_copy_engine"] / min(v for k, v in t.items()
@@ -449,8 +493,11 @@ def main() -> None:
                   + f"), before {s['layer_before_over_parts']:.2f}; parts {s['parts_ms']:.2f} ms")
             print("  experts TFLOP/s (/matmul): " + ", ".join(
                 f"{k} {v:.0f} ({s[f'{k}_over_matmul']:.2f})" for k, v in s["TFLOPs"].items()))
-            print(f"  raw/dispatch+combine: ours {s['raw_over_exchange_ours']:.2f}, before "
-                  f"{s['raw_over_exchange_before']:.2f}; dequant fused/bare GEMMs "
+            print(f"  raw/dispatch+combine: ours {s['raw_over_exchange_ours']:.2f} (token dispatch; raw of the "
+                  f"bytes it moves / ours {s['raw_token_bytes_over_exchange_ours']:.2f}; token rows / slot rows "
+                  f"{s['token_rows_over_slot_rows']:.3f}; identical layer: "
+                  f"{r['token_dispatch_identical_to_slot_rows']}), slot rows {s['raw_over_exchange_slots']:.2f}, "
+                  f"before {s['raw_over_exchange_before']:.2f}; dequant fused/bare GEMMs "
                   f"{s['dequant_fused_over_bare_gemms']:.3f} (identical: {r['dequant_fused_identical']})")
             if "raw_over_exchange_ce" in s:
                 print(f"  copy engines: raw NCCL / ours {s['raw_over_exchange_ce']:.2f}, raw CE / ours "

@@ -9,7 +9,8 @@ On every rank (one GPU each):
      fp32 forward of the same weights on the CPU (some slots routed to the EP sentinel);
   2. expert parallel over all ranks: `ep.overlap.overlapped_moe` under sync debug mode "warn", with the
      received blocks regrouped (the default for blocks this small) and with one GEMM per block, each through
-     NCCL and through the copy engines (`ep.copy_engine`), counting the syncs (the design has exactly one: the
+     NCCL (each token sent once per rank, `ep.token_link`, and one row per slot, which must give the same
+     bits) and through the copy engines (`ep.copy_engine`), counting the syncs (the design has exactly one: the
      split sizes the exchange needs on the host), compared with `ep.dispatch` + the CPU reference of each
      rank's experts, and the copy-engine results with NCCL's (bit for bit where both run the grouped GEMMs on
      expert-major rows).
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelopt_ext.ep import local
+from modelopt_ext.ep import local, overlap
 from modelopt_ext.ep.dispatch import combine, dispatch
 from modelopt_ext.ep.overlap import overlapped_moe
 from modelopt_ext.formats.mxfp4 import quantize_mxfp4
@@ -113,10 +114,13 @@ def check_ep(group, seed: int) -> dict:
         out, results = {}, {}
         # blocks here hold ~64 rows: the default rule regroups them; 0 forces one GEMM per block. Each through
         # NCCL and through the copy engines (whose first call allocates the peer-mapped buffer: warm-up).
-        for transport in ("nccl", "copy_engine"):
+        # NCCL first with the token dispatch (the default), then with one row per slot (`nccl_slots`).
+        for variant in ("nccl", "nccl_slots", "copy_engine"):
+            transport = "nccl" if variant == "nccl_slots" else variant
             for layout, min_rows in (("regrouped", local.SEGMENT_MIN_ROWS), ("per_block", 0)):
-                name = layout if transport == "nccl" else f"{layout}_{transport}"
+                name = layout if variant == "nccl" else f"{layout}_{variant}"
                 saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
+                overlap.TOKEN_DISPATCH = variant != "nccl_slots"
                 try:
                     overlapped_moe(*args, transport=transport)  # compile and warm up
                     torch.cuda.synchronize()
@@ -129,10 +133,13 @@ def check_ep(group, seed: int) -> dict:
                             torch.cuda.set_sync_debug_mode(0)
                 finally:
                     local.SEGMENT_MIN_ROWS = saved
+                    overlap.TOKEN_DISPATCH = True
                 syncs = [str(c.message).splitlines()[0] for c in caught if "synchroniz" in str(c.message)]
                 out[name] = {"rel_error": rel_error(got, ref), "syncs": len(syncs), "sync_messages": syncs[:4]}
                 results[name] = got
-                if transport != "nccl":
+                if variant == "nccl_slots":  # the same rows delivered in the same layout: the same bits
+                    out[name]["identical_to_nccl"] = bool(torch.equal(got, results[layout]))
+                elif variant != "nccl":
                     # The copy engines deliver rows expert-major: with the grouped GEMMs (the regrouped layout) the
                     # same rows in the same order as NCCL + regrouping, so the same bits; one GEMM per block runs
                     # one GEMM per expert instead of per (source, expert) block, so only close.

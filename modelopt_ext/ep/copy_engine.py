@@ -203,7 +203,7 @@ class CopyEngineLink:
         self.buffer = _buffer(group, self.device)
         self.peer_stream = _side_stream(self.device)
 
-    def layout(self, send_WCE: torch.Tensor):
+    def layout(self, send_WCE: torch.Tensor, routing=None):
         """Every rank's counts (one all_gather, one host read) -> this call's `overlap.Layout`; grows the
         buffer when needed and opens the call with a barrier."""
         from .overlap import Layout
@@ -218,6 +218,12 @@ class CopyEngineLink:
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         self.layout_ = Layout(self.plan.send_sizes, self.plan.recv_sizes, None, self.plan.segments)
         return self.layout_
+
+    def send_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return x_TH.new_empty(self.layout_.send_off[-1], x_TH.shape[1])
+
+    def received(self, c: int, recv_x: torch.Tensor) -> torch.Tensor:
+        return recv_x[self.layout_.recv_off[c]:self.layout_.recv_off[c + 1]]
 
     def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
         return self.buffer.rows(self.rank, 0, self.layout_.recv_off[-1], self.width, self.dtype)

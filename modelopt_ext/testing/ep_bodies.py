@@ -311,11 +311,12 @@ def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str, g
             "down_input_amax": float(experts.down_proj_input_quantizer.amax)}
 
 
-def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int]):
+def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int], token_dispatch: bool = True):
     """`ep.overlap.overlapped_moe` against dispatch -> per-row experts -> combine, fp32, for several chunk
-    counts; rank 1 holds fewer tokens than the largest chunk count and some experts receive nothing."""
+    counts; rank 1 holds fewer tokens than the largest chunk count and some experts receive nothing. With
+    `token_dispatch`, also the token rows the link sent against the distinct (token, rank) pairs."""
+    from modelopt_ext.ep import overlap
     from modelopt_ext.ep.dispatch import combine, dispatch
-    from modelopt_ext.ep.overlap import overlapped_moe
 
     E, H, K = 3, 16, 2
     tokens = 5 if rank == 1 else 23
@@ -338,12 +339,26 @@ def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int]):
         seen["ok"] &= covered == rows.shape[0]
         return out
 
-    identical = {}
-    with torch.no_grad():
-        for c in chunks:
-            got = overlapped_moe(x, ids, w, E, group, run_rows, chunks=c)
-            identical[str(c)] = bool(torch.equal(got, want))
-    return {"identical": identical, "segments_cover_rows": seen["ok"], "shapes_ok": tuple(want.shape) == (tokens, H)}
+    identical, token_rows = {}, {}
+    links = []
+    make_link = overlap._link
+
+    def recording_link(*args):
+        links.append(make_link(*args))
+        return links[-1]
+
+    overlap.TOKEN_DISPATCH, overlap._link = token_dispatch, recording_link
+    try:
+        with torch.no_grad():
+            for c in chunks:
+                got = overlap.overlapped_moe(x, ids, w, E, group, run_rows, chunks=c)
+                identical[str(c)] = bool(torch.equal(got, want))
+                token_rows[str(c)] = getattr(links[-1], "token_send_off", [None])[-1]
+    finally:
+        overlap.TOKEN_DISPATCH, overlap._link = True, make_link
+    distinct = int(sum(len(set((ids[t] // E).tolist())) for t in range(tokens)))
+    return {"identical": identical, "segments_cover_rows": seen["ok"], "shapes_ok": tuple(want.shape) == (tokens, H),
+            "token_rows": token_rows, "distinct_token_ranks": distinct, "slots": tokens * K}
 
 
 def overlap_path_logits(rank: int, world_size: int, ckpt: str):
