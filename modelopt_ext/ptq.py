@@ -110,7 +110,7 @@ class PtqSummary:
     @property
     def forward_tokens_per_s(self) -> float:
         """Calibration tokens over the slowest rank's forward loop (its first batch included): the calibrate
-        phase without its fixed costs (ModelOpt's conversion, weight statistics, the amax sync, coverage)."""
+        phase without its fixed costs (ModelOpt's conversion with the weight statistics, the amax sync, coverage)."""
         seconds = max((parts.get("first_batch", 0.0) + parts.get("forward", 0.0) for parts in self.calibrate_parts),
                       default=0.0)
         return self.calib_tokens / seconds if seconds > 0 else 0.0

@@ -41,14 +41,14 @@ if [ "${WARMUP:-0}" = 1 ]; then
 fi
 # REPEAT rounds of EP1, EP2 (with AB=1 also EP2 without the overlapped pipeline: dispatch -> experts' class
 # forward -> combine; with CE=1 also EP2 with the exchange through the copy engines, ep.copy_engine; with
-# SLOTS=1 also EP2 through NCCL with one row per slot instead of the token dispatch, ep.token_link),
+# TOKENS=1 also EP2 through NCCL with each token sent once per rank, ep.token_link),
 # alternating, so all see the same machine state; summary_<name>_<round>.json each.
 for r in $(seq 1 "${REPEAT:-1}"); do
   run "ep1_$r" 1
   run "ep2_$r" 2
   [ "${AB:-0}" = 1 ] && run "ep2base_$r" 2 modelopt_ext.ep.backend.PIPELINE=False
   [ "${CE:-0}" = 1 ] && run "ep2ce_$r" 2 "modelopt_ext.ep.overlap.TRANSPORT='copy_engine'"
-  [ "${SLOTS:-0}" = 1 ] && run "ep2slots_$r" 2 modelopt_ext.ep.overlap.TOKEN_DISPATCH=False
+  [ "${TOKENS:-0}" = 1 ] && run "ep2tokens_$r" 2 modelopt_ext.ep.overlap.TOKEN_DISPATCH=True
 done
 # PROFILE=1: one more run of each (64 blocks) with the calibration profiler (tables per rank under $OUT/prof_<name>/).
 if [ "${PROFILE:-0}" = 1 ]; then

@@ -51,10 +51,11 @@ class CalibrationResult:
     coverage: Coverage
     sync: dict[str, Any] | None
     # this rank's host wall clock per part (GPU work queued in one part may finish in the next): "convert"
-    # (ModelOpt's conversion, up to the first batch), "first_batch" (the first forward, to a device synchronize:
-    # first-call costs), "forward" (the other batches and the deferred statistics check, which reads back),
-    # "finish" (ModelOpt after the loop: weight statistics), "sync" (amax sync under torch.distributed and the
-    # finiteness check), "coverage" (the count summed over ranks and its checks)
+    # (ModelOpt's conversion and, before the loop in ModelOpt 0.47's max calibration, the weight statistics of
+    # every weight quantizer), "first_batch" (the first forward, to a device synchronize: first-call costs),
+    # "forward" (the other batches and the deferred statistics check, which reads back), "finish" (ModelOpt
+    # after the loop: the collected statistics loaded as amax), "sync" (amax sync under torch.distributed and
+    # the finiteness check), "coverage" (the count summed over ranks and its checks)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
