@@ -342,15 +342,43 @@ def _family(model_config):
     return family_for_config(mapping, source=f"{type(model_config).__name__}")
 
 
+def _pure_disable(entry: Mapping[str, Any]) -> bool:
+    return not entry.get("enable", True) and entry.get("cfg") is None and not entry.get("parent_class")
+
+
+def _star_literal(glob: str) -> str | None:
+    """X for a glob `*X*` whose X holds no wildcard (fnmatch: any name containing X), else None."""
+    inner = glob[1:-1]
+    if len(glob) > 2 and glob[0] == glob[-1] == "*" and not any(c in inner for c in "*?["):
+        return inner
+    return None
+
+
 def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config) -> list[dict[str, Any]]:
-    """Disabling entries for the family's `quantizer_exclusions(model_config)` globs that `quant_cfg` does
-    not already hold as disabling entries (per-layer globs the YAML schema cannot express)."""
+    """Disabling entries for the family's `quantizer_exclusions(model_config)` globs (per-layer globs the YAML
+    schema cannot express), appended after `quant_cfg`, except those that would change nothing: a glob that
+    `quant_cfg` already disables after its last entry that may enable a quantizer, or that such a `*X*` glob
+    covers (`*layers.3.self_attn.f_a_proj*` inside `*self_attn.f_a_proj*`). ModelOpt matches every entry against
+    every quantizer, so at Kimi-K3's 93 layers the redundant per-layer globs would cost most of the conversion
+    (docs/calibration.md)."""
     spec = _family(model_config)
-    present = {e["quantizer_name"] for e in quant_cfg
-               if not e.get("enable", True) and e.get("cfg") is None and not e.get("parent_class")}
+    final: list[str] = []  # pure disables after the last entry that may enable something
+    for entry in quant_cfg:
+        if _pure_disable(entry):
+            final.append(entry["quantizer_name"])
+        elif entry.get("enable", True) or entry.get("cfg") is not None:
+            final = []
+    literals = [lit for lit in map(_star_literal, final) if lit is not None]
+
+    def covered(glob: str) -> bool:
+        inner = _star_literal(glob)
+        return glob in final or (inner is not None and any(lit in inner for lit in literals))
+
+    patterns = list(dict.fromkeys(spec.quantizer_exclusions(model_config)))
     entries = [{"quantizer_name": p, "parent_class": None, "cfg": None, "enable": False}
-               for p in dict.fromkeys(spec.quantizer_exclusions(model_config)) if p not in present]
-    logger.debug("family %s: %d exclusion entries added", spec.name, len(entries))
+               for p in patterns if not covered(p)]
+    logger.debug("family %s: %d exclusion entries added, %d already in effect", spec.name, len(entries),
+                 len(patterns) - len(entries))
     return entries
 
 

@@ -435,3 +435,55 @@ def test_quant_config_needs_a_known_family():
     plain = R.quant_config("kimi_k3/fp8_all", {"model_type": "llama"}, family_exclusions=False)
     assert set(plain) == {"quant_cfg", "algorithm"}
 
+
+
+def test_family_exclusions_skip_globs_already_in_effect(checkpoint):
+    """Per-layer globs that an earlier final disabling `*X*` glob covers are not appended (they would change
+    nothing and cost conversion time); an entry that may enable something after that glob keeps them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
+    cfg = R.quant_config(R.load(PRODUCTION), config)["quant_cfg"]
+    per_layer = [e["quantizer_name"] for e in cfg if ".self_attn." in e["quantizer_name"] and "layers." in
+                 e["quantizer_name"]]
+    text = config.get_text_config()
+    kda = [i for i in range(text.num_hidden_layers) if not text.is_mla(i)]
+    assert per_layer == [f"*layers.{i}.self_attn.g_proj*" for i in kda]  # f_a/f_b/b: the unit's globs cover them
+    # the same globs after an entry that enables quantizers are not final: every family glob is appended
+    late = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*self_attn.f_a_proj*", "enable": False},
+            {"quantizer_name": "*norm*", "enable": False}, O_PROJ_FP8]
+    added = [e["quantizer_name"] for e in R.family_exclusion_entries(late, config)]
+    assert "*norm*" in added and f"*layers.{kda[0]}.self_attn.f_a_proj*" in added
+    # final ones are skipped, exactly or covered; a glob with other wildcards covers nothing
+    final = [O_PROJ_FP8, {"quantizer_name": "*self_attn.f_a_proj*", "enable": False},
+             {"quantizer_name": "*self_attn.b?proj*", "enable": False}]
+    added = [e["quantizer_name"] for e in R.family_exclusion_entries(final, config)]
+    assert f"*layers.{kda[0]}.self_attn.f_a_proj*" not in added
+    assert f"*layers.{kda[0]}.self_attn.b_proj*" in added and "*norm*" in added
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_skipped_family_globs_leave_every_quantizer_as_it_was(checkpoint, name):
+    """The quantizers after ModelOpt's conversion with the pruned config equal those with every family glob
+    appended (the behaviour before the pruning), attribute for attribute."""
+    from modelopt.torch.quantization.conversion import replace_quant_module, set_quantizer_by_cfg
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    import modelopt_ext
+
+    states = []
+    for prune in (True, False):
+        model = modelopt_ext.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.float32)
+        cfg = R.quant_config(R.load(name), model.config, family_exclusions=False)["quant_cfg"]
+        if prune:
+            cfg = cfg + R.family_exclusion_entries(cfg, model.config)
+        else:
+            spec = R._family(model.config)
+            cfg = cfg + [{"quantizer_name": p, "enable": False} for p in spec.quantizer_exclusions(model.config)]
+        replace_quant_module(model)
+        set_quantizer_by_cfg(model, cfg)
+        states.append(({n: (m.is_enabled, repr(m)) for n, m in model.named_modules() if isinstance(m, TensorQuantizer)},
+                       len(cfg)))
+    (pruned, n_pruned), (full, n_full) = states
+    assert n_pruned < n_full
+    assert len(pruned) > 100 and pruned == full
