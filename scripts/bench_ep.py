@@ -7,8 +7,10 @@ Per rank (defaults): latent width 3584, expert width 3072, top-16, 14 experts pe
 top-k router over all W*14 experts. Median of --reps timings (CUDA events on GPUs) after --warmup, ranks in
 lock step. Measured in the same run:
   - layer_ours[C]: router + `ep.overlap.overlapped_moe` with C chunks (exchange overlapped with the experts,
-    experts in place on the received blocks, fused weighted combine), NCCL with each token sent once per rank
-    (`ep.token_link`); layer_slots[C]: the same with one row per slot (`overlap.TOKEN_DISPATCH = False`);
+    experts in place on the received blocks, fused weighted combine), NCCL with one row per slot (the default
+    link); layer_tokens[C]: the same with each token sent once per rank (`ep.token_link`, opt-in
+    `overlap.TOKEN_DISPATCH = True`). (In session 7's JSON, taken while the token dispatch was the default,
+    "ours" is the token dispatch and "slots" the slot rows.);
   - layer_before: router + `ep.dispatch` + transformers' grouped_mm experts function + `combine` (the path
     `torch_a2a` takes for calibration and autograd);
   - parts: the two bare `torch._grouped_mm` GEMMs on the rows this rank receives + raw `all_to_all_single`
@@ -172,9 +174,9 @@ def transport(name: str):
     return setting(overlap, "TRANSPORT", name)
 
 
-def slot_rows():
-    """NCCL with one row per slot (`ep.overlap.NcclLink`), instead of the token dispatch (`ep.token_link`)."""
-    return setting(overlap, "TOKEN_DISPATCH", False)
+def token_dispatch():
+    """NCCL with each token sent once per destination rank (`ep.token_link`) instead of one row per slot."""
+    return setting(overlap, "TOKEN_DISPATCH", True)
 
 
 def token_split_sizes(ids, E: int, group) -> tuple[list[int], list[int]]:
@@ -320,9 +322,9 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         for c in args.chunks[1:]:
             t[f"exchange_ours_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
                                                                     chunks=c, transport="nccl"))
-        with slot_rows():
+        with token_dispatch():
             for c in args.chunks:
-                t[f"exchange_slots_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
+                t[f"exchange_tokens_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
                                                                          chunks=c, transport="nccl"))
 
         def exchange_before():
@@ -351,8 +353,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         t["layer_before"] = timed(layer_before)
         for c in args.chunks:
             t[f"layer_ours_c{c}"] = timed(lambda: layer_ours(c))
-            with slot_rows():
-                t[f"layer_slots_c{c}"] = timed(lambda: layer_ours(c))
+            with token_dispatch():
+                t[f"layer_tokens_c{c}"] = timed(lambda: layer_ours(c))
             if "copy_engine" in args.transports:
                 t[f"layer_ce_c{c}"] = timed(lambda: layer_ce(c))
         if args.trace and dev == "cuda":
@@ -376,8 +378,8 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                 t[f"layer_ce_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
         with segment_rule(0), transport("nccl"):
             t[f"layer_ours_c{c_mid}_varying_per_block"] = timed(lambda: layer_varying(c_mid))
-        with slot_rows(), transport("nccl"):
-            t[f"layer_slots_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
+        with token_dispatch(), transport("nccl"):
+            t[f"layer_tokens_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
         variants = None  # free the inputs
         # SMs left to NCCL while the GEMMs run (cuBLASLt's SM count target), so the exchange can overlap them
         for sms in (n for n in args.carveouts if n and dev == "cuda"):
@@ -393,9 +395,9 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                 torch.backends.cuda.preferred_blas_library("default")
         y_before, y_ours = layer_before().float(), layer_ours(args.chunks[-1]).float()
         out["layer_max_abs_diff"] = float((y_ours - y_before).abs().max())
-        with slot_rows():
-            y_slots = layer_ours(args.chunks[-1]).float()
-        out["token_dispatch_identical_to_slot_rows"] = bool(torch.equal(y_slots, y_ours))
+        with token_dispatch():
+            y_tokens = layer_ours(args.chunks[-1]).float()
+        out["token_dispatch_identical_to_slot_rows"] = bool(torch.equal(y_tokens, y_ours))
         if "copy_engine" in args.transports:  # expert-major blocks: one GEMM per expert, not per (source, expert)
             for c in args.chunks:
                 out[f"layer_ce_c{c}_max_abs_diff_vs_nccl"] = float((layer_ce(c).float() - layer_ours(c).float()
@@ -408,7 +410,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
 def summarize(run: dict, matmul_tflops: float) -> dict:
     t = run["ms"]
     parts = t["bare_grouped_gemms"] + t["raw_all_to_all"]
-    layers = {k: v for k, v in t.items() if k.startswith(("layer_ours_c", "layer_slots_c", "layer_ce_c"))}
+    layers = {k: v for k, v in t.items() if k.startswith(("layer_ours_c", "layer_tokens_c", "layer_ce_c"))}
     best = min(layers, key=layers.get)
     blocks = ("dense_same_shapes", "bare_grouped_gemms", "bare_segment_gemms", "experts_segments", "experts_grouped",
               "experts_transformers", *(k for k in t if k.startswith(("experts_segments_", "bare_segment_gemms_"))))
@@ -420,10 +422,10 @@ def summarize(run: dict, matmul_tflops: float) -> dict:
             "TFLOPs": tflops, **{f"{k}_over_matmul": v / matmul_tflops for k, v in tflops.items()},
             "raw_over_exchange_ours": t["raw_all_to_all"] / min(v for k, v in t.items()
                                                                  if k.startswith("exchange_ours")),
-            "raw_over_exchange_slots": t["raw_all_to_all"] / min(v for k, v in t.items()
-                                                                 if k.startswith("exchange_slots")),
-            "raw_token_bytes_over_exchange_ours": t["raw_all_to_all_token_bytes"] / min(
-                v for k, v in t.items() if k.startswith("exchange_ours")),
+            "raw_over_exchange_tokens": t["raw_all_to_all"] / min(v for k, v in t.items()
+                                                                  if k.startswith("exchange_tokens")),
+            "raw_token_bytes_over_exchange_tokens": t["raw_all_to_all_token_bytes"] / min(
+                v for k, v in t.items() if k.startswith("exchange_tokens")),
             "token_rows_over_slot_rows": run["token_rows_sent"] / run["slot_rows_sent"],
             **({"raw_over_exchange_ce": t["raw_all_to_all"] / min(v for k, v in t.items()
                                                                   if k.startswith("exchange_ce")),
@@ -489,14 +491,16 @@ def main() -> None:
             print("  ms: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
             print(f"  layer/parts: ours {s['layer_ours_over_parts']:.2f} ({s['best_layer']}; "
                   + ", ".join(f"{k[6:-11]} {v:.2f}" for k, v in s.items()
-                              if k.startswith(("layer_ours_c", "layer_ce_c")) and k.endswith("_over_parts"))
+                              if k.startswith(("layer_ours_c", "layer_tokens_c", "layer_ce_c"))
+                              and k.endswith("_over_parts"))
                   + f"), before {s['layer_before_over_parts']:.2f}; parts {s['parts_ms']:.2f} ms")
             print("  experts TFLOP/s (/matmul): " + ", ".join(
                 f"{k} {v:.0f} ({s[f'{k}_over_matmul']:.2f})" for k, v in s["TFLOPs"].items()))
-            print(f"  raw/dispatch+combine: ours {s['raw_over_exchange_ours']:.2f} (token dispatch; raw of the "
-                  f"bytes it moves / ours {s['raw_token_bytes_over_exchange_ours']:.2f}; token rows / slot rows "
+            print(f"  raw/dispatch+combine: ours {s['raw_over_exchange_ours']:.2f}, token dispatch "
+                  f"{s['raw_over_exchange_tokens']:.2f} (raw of the bytes it moves / it "
+                  f"{s['raw_token_bytes_over_exchange_tokens']:.2f}; token rows / slot rows "
                   f"{s['token_rows_over_slot_rows']:.3f}; identical layer: "
-                  f"{r['token_dispatch_identical_to_slot_rows']}), slot rows {s['raw_over_exchange_slots']:.2f}, "
+                  f"{r['token_dispatch_identical_to_slot_rows']}), "
                   f"before {s['raw_over_exchange_before']:.2f}; dequant fused/bare GEMMs "
                   f"{s['dequant_fused_over_bare_gemms']:.3f} (identical: {r['dequant_fused_identical']})")
             if "raw_over_exchange_ce" in s:

@@ -9,7 +9,7 @@ On every rank (one GPU each):
      fp32 forward of the same weights on the CPU (some slots routed to the EP sentinel);
   2. expert parallel over all ranks: `ep.overlap.overlapped_moe` under sync debug mode "warn", with the
      received blocks regrouped (the default for blocks this small) and with one GEMM per block, each through
-     NCCL (each token sent once per rank, `ep.token_link`, and one row per slot, which must give the same
+     NCCL (one row per slot, and each token sent once per rank, `ep.token_link`, which must give the same
      bits) and through the copy engines (`ep.copy_engine`), counting the syncs (the design has exactly one: the
      split sizes the exchange needs on the host), compared with `ep.dispatch` + the CPU reference of each
      rank's experts, and the copy-engine results with NCCL's (bit for bit where both run the grouped GEMMs on
@@ -114,13 +114,14 @@ def check_ep(group, seed: int) -> dict:
         out, results = {}, {}
         # blocks here hold ~64 rows: the default rule regroups them; 0 forces one GEMM per block. Each through
         # NCCL and through the copy engines (whose first call allocates the peer-mapped buffer: warm-up).
-        # NCCL first with the token dispatch (the default), then with one row per slot (`nccl_slots`).
-        for variant in ("nccl", "nccl_slots", "copy_engine"):
-            transport = "nccl" if variant == "nccl_slots" else variant
+        # NCCL first with one row per slot (the default), then with the token dispatch (`nccl_tokens`). (Session
+        # 7's JSON was taken while the token dispatch was the default: its "nccl_slots" rows are the slot rows.)
+        for variant in ("nccl", "nccl_tokens", "copy_engine"):
+            transport = "nccl" if variant == "nccl_tokens" else variant
             for layout, min_rows in (("regrouped", local.SEGMENT_MIN_ROWS), ("per_block", 0)):
                 name = layout if variant == "nccl" else f"{layout}_{variant}"
                 saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
-                overlap.TOKEN_DISPATCH = variant != "nccl_slots"
+                saved_tokens, overlap.TOKEN_DISPATCH = overlap.TOKEN_DISPATCH, variant == "nccl_tokens"
                 try:
                     overlapped_moe(*args, transport=transport)  # compile and warm up
                     torch.cuda.synchronize()
@@ -133,11 +134,11 @@ def check_ep(group, seed: int) -> dict:
                             torch.cuda.set_sync_debug_mode(0)
                 finally:
                     local.SEGMENT_MIN_ROWS = saved
-                    overlap.TOKEN_DISPATCH = True
+                    overlap.TOKEN_DISPATCH = saved_tokens
                 syncs = [str(c.message).splitlines()[0] for c in caught if "synchroniz" in str(c.message)]
                 out[name] = {"rel_error": rel_error(got, ref), "syncs": len(syncs), "sync_messages": syncs[:4]}
                 results[name] = got
-                if variant == "nccl_slots":  # the same rows delivered in the same layout: the same bits
+                if variant == "nccl_tokens":  # the same rows delivered in the same layout: the same bits
                     out[name]["identical_to_nccl"] = bool(torch.equal(got, results[layout]))
                 elif variant != "nccl":
                     # The copy engines deliver rows expert-major: with the grouped GEMMs (the regrouped layout) the

@@ -53,30 +53,34 @@ class TokenLink:
     def __init__(self, group, num_local_experts: int):
         self.group, self.E = group, num_local_experts
 
-    def layout(self, send_WCE: torch.Tensor, routing: Routing):
-        """Slot and token counts of every (rank, chunk) exchanged in one all_to_all, read in one host sync."""
-        from .overlap import Layout
-
-        W, C, E = send_WCE.shape
-        ids_TK, order_S = routing.ids_TK, routing.order_S
-        T, K = ids_TK.shape
-        device = ids_TK.device
-        dest_TK = ids_TK // E
+    def _plan_tokens(self, routing: Routing, W: int) -> torch.Tensor:
+        """On the device, no sync: which token rows go where (`token_source`, ordered chunk, destination,
+        token), each slot's token position among them (`slot_position`, send order); returns the token rows
+        per (chunk, destination), [C, W]."""
+        ids_TK, order_S, C = routing.ids_TK, routing.order_S, routing.chunks
+        T, device = ids_TK.shape[0], ids_TK.device
+        dest_TK = ids_TK // self.E
         chunk_T = torch.arange(T, device=device) * C // max(T, 1)
         # [W, T] (rank-major): torch scans an inner dimension fast, an outer one of width W very slowly
         sent_WT = torch.zeros(W, T, dtype=torch.bool, device=device).scatter_(0, dest_TK.t(), True)
-        # the token rows sent, ordered (chunk, destination, token): pair p = w * T + t, unsent pairs last
+        # pair p = w * T + t; the sent pairs sorted by (chunk, destination), token order kept; unsent ones last
         rank_W1 = torch.arange(W, device=device).unsqueeze(1)
         pair_key = torch.where(sent_WT, chunk_T.unsqueeze(0) * W + rank_W1, C * W).reshape(-1)
-        self.token_source = torch.argsort(pair_key, stable=True) % max(T, 1)  # the sent pairs' tokens first
-        tokens_CW = count_ids(pair_key, C * W + 1)[:C * W].view(C, W)
-        # each slot's token among the rows its destination gets in the slot's chunk, in send order
+        self.token_source = torch.argsort(pair_key, stable=True) % max(T, 1)
         sent = sent_WT.long()
         before_WT = torch.cumsum(sent, 1) - sent
         chunk_first_T = (chunk_T * T + C - 1) // C
         position_WT = before_WT - before_WT.index_select(1, chunk_first_T)
         pair_S = (dest_TK * T + torch.arange(T, device=device).unsqueeze(1)).reshape(-1)
         self.slot_position = position_WT.reshape(-1).index_select(0, pair_S).index_select(0, order_S)
+        return count_ids(pair_key, C * W + 1)[:C * W].view(C, W)
+
+    def layout(self, send_WCE: torch.Tensor, routing: Routing):
+        """Slot and token counts of every (rank, chunk) exchanged in one all_to_all, read in one host sync."""
+        from .overlap import Layout
+
+        W, C, E = send_WCE.shape
+        tokens_CW = self._plan_tokens(routing, W)
         counts = torch.cat([send_WCE, tokens_CW.t().unsqueeze(-1)], dim=2).contiguous()  # [W, C, E + 1]
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
