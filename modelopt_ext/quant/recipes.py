@@ -33,9 +33,9 @@ path merges through OmegaConf and would accept unknown keys).
 Family exclusions: a quantizer-name glob sees only the name, and Kimi-K3's KDA and MLA layers both own
 `self_attn.g_proj` (KDA's stays unquantized, MLA's does not); which layers are KDA comes from the model
 config. So `quant_config` appends, after the recipe's entries, every glob of the model family's
-`quantizer_exclusions(config)` that the recipe does not already hold as a disabling entry. With the shipped
-recipes (whose unit holds the static globs) that is one entry per KDA layer and projection
-(`*layers.{i}.self_attn.{f_a,f_b,b,g}_proj*`).
+`quantizer_exclusions(config)` that is not already in effect (`family_exclusion_entries`). With the shipped
+recipes (whose unit holds the static globs and the KDA-only projections) that is KDA's `g_proj`, one glob per
+ten layers (`*layers.1[0124].self_attn.g_proj*`, `spec.layer_globs`).
 
 hf_ptq.py `--qformat` presets (ModelOpt's `configs/ptq/presets/model/*.yaml`) with a recipe here, per family
 (`RECIPES_DIR/qformats.yaml`, read by `recipe_for_qformat`):
@@ -354,11 +354,22 @@ def _star_literal(glob: str) -> str | None:
     return None
 
 
+def _literal_parts(glob: str) -> list[str]:
+    """The literal runs of a glob `*...*` whose inside has character classes at most (`*layers.1[02].X*` ->
+    ["layers.1", ".X"]): a name it matches contains each of them. [] for any other glob."""
+    inner = glob[1:-1]
+    if len(glob) < 3 or glob[0] != "*" or glob[-1] != "*" or "*" in inner or "?" in inner:
+        return []
+    parts = re.split(r"\[[^\]]*\]", inner)
+    return [] if any("[" in part or "]" in part for part in parts) else parts
+
+
 def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config) -> list[dict[str, Any]]:
     """Disabling entries for the family's `quantizer_exclusions(model_config)` globs (per-layer globs the YAML
     schema cannot express), appended after `quant_cfg`, except those that would change nothing: a glob that
     `quant_cfg` already disables after its last entry that may enable a quantizer, or that such a `*X*` glob
-    covers (`*layers.3.self_attn.f_a_proj*` inside `*self_attn.f_a_proj*`). ModelOpt matches every entry against
+    covers (`*layers.3.self_attn.f_a_proj*` or `*layers.1[02].self_attn.f_a_proj*` inside
+    `*self_attn.f_a_proj*`). ModelOpt matches every entry against
     every quantizer, so at Kimi-K3's 93 layers the redundant per-layer globs would cost most of the conversion
     (docs/calibration.md)."""
     spec = _family(model_config)
@@ -371,8 +382,8 @@ def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config) -
     literals = [lit for lit in map(_star_literal, final) if lit is not None]
 
     def covered(glob: str) -> bool:
-        inner = _star_literal(glob)
-        return glob in final or (inner is not None and any(lit in inner for lit in literals))
+        parts = _literal_parts(glob)
+        return glob in final or any(lit in part for lit in literals for part in parts)
 
     patterns = list(dict.fromkeys(spec.quantizer_exclusions(model_config)))
     entries = [{"quantizer_name": p, "parent_class": None, "cfg": None, "enable": False}

@@ -7,6 +7,7 @@ result against module predicates written here (names, classes, which layers own 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import re
 
 import pytest
@@ -112,7 +113,7 @@ def test_exclusion_unit_holds_the_family_static_globs():
     unit = yaml.safe_load((R.RECIPES_DIR / "units" / "kimi_k3_exclusions.yaml").read_text())
     globs = [e["quantizer_name"] for e in unit]
     spec = quantizer_exclusions(tiny_text_config())
-    static = [p for p in spec if not re.search(r"layers\.\d+\.", p)]
+    static = [p for p in spec if "layers." not in p]
     assert set(static) <= set(globs)
     assert set(globs) - set(static) == {"*self_attn.f_a_proj*", "*self_attn.f_b_proj*", "*self_attn.b_proj*"}
     assert not any("g_proj" in g for g in globs)
@@ -386,11 +387,12 @@ def test_production_recipe_end_to_end(quantized):
     rest = [n for n in enabled if ".block_sparse_moe.experts." not in n and not n.endswith("weight_quantizer")]
     assert not rest, rest
     assert not [n for n in enabled if re.search(r"(shared_experts|\.mlp\.|routed_expert_(down|up)_proj)", n)]
-    # KDA g_proj is the only exclusion the YAML cannot state: quant_config added it per layer
-    _, kda = _mla_and_kda(model)
+    # KDA g_proj is the only exclusion the YAML cannot state: quant_config added globs for exactly those layers
+    mla, kda = _mla_and_kda(model)
     added = [e["quantizer_name"] for e in config["quant_cfg"][len(R.load(PRODUCTION)["quantize"]["quant_cfg"]):]]
-    assert {f"*layers.{i}.self_attn.g_proj*" for i in kda} <= set(added)
-    assert not [p for p in added if "g_proj" in p and int(re.search(r"layers\.(\d+)\.", p).group(1)) not in kda]
+    for i in mla + kda:
+        name = f"language_model.model.layers.{i}.self_attn.g_proj.weight_quantizer"
+        assert any(fnmatch.fnmatchcase(name, p) for p in added) == (i in kda), (i, added)
     R.check_patterns_match(config, model)
 
 
@@ -448,24 +450,29 @@ def test_family_exclusions_skip_globs_already_in_effect(checkpoint):
                  e["quantizer_name"]]
     text = config.get_text_config()
     kda = [i for i in range(text.num_hidden_layers) if not text.is_mla(i)]
-    assert per_layer == [f"*layers.{i}.self_attn.g_proj*" for i in kda]  # f_a/f_b/b: the unit's globs cover them
+    # only g_proj, for exactly the KDA layers; f_a/f_b/b: the unit's globs cover them
+    assert per_layer and all(p.endswith(".self_attn.g_proj*") for p in per_layer)
+    for i in range(text.num_hidden_layers):
+        name = f"language_model.model.layers.{i}.self_attn.g_proj.weight_quantizer"
+        assert any(fnmatch.fnmatchcase(name, p) for p in per_layer) == (i in kda), i
     # the same globs after an entry that enables quantizers are not final: every family glob is appended
     late = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*self_attn.f_a_proj*", "enable": False},
             {"quantizer_name": "*norm*", "enable": False}, O_PROJ_FP8]
     added = [e["quantizer_name"] for e in R.family_exclusion_entries(late, config)]
-    assert "*norm*" in added and f"*layers.{kda[0]}.self_attn.f_a_proj*" in added
+    assert "*norm*" in added and any(p.endswith(".self_attn.f_a_proj*") for p in added)
     # final ones are skipped, exactly or covered; a glob with other wildcards covers nothing
     final = [O_PROJ_FP8, {"quantizer_name": "*self_attn.f_a_proj*", "enable": False},
              {"quantizer_name": "*self_attn.b?proj*", "enable": False}]
     added = [e["quantizer_name"] for e in R.family_exclusion_entries(final, config)]
-    assert f"*layers.{kda[0]}.self_attn.f_a_proj*" not in added
-    assert f"*layers.{kda[0]}.self_attn.b_proj*" in added and "*norm*" in added
+    assert not any(p.endswith(".self_attn.f_a_proj*") for p in added)
+    assert any(p.endswith(".self_attn.b_proj*") for p in added) and "*norm*" in added
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_skipped_family_globs_leave_every_quantizer_as_it_was(checkpoint, name):
-    """The quantizers after ModelOpt's conversion with the pruned config equal those with every family glob
-    appended (the behaviour before the pruning), attribute for attribute."""
+    """The quantizers after ModelOpt's conversion with the family's globs as appended now (already-effective ones
+    skipped, one glob per ten layers) equal those with every glob appended one per layer (the behaviour
+    before), attribute for attribute."""
     from modelopt.torch.quantization.conversion import replace_quant_module, set_quantizer_by_cfg
     from modelopt.torch.quantization.nn import TensorQuantizer
 
@@ -477,9 +484,12 @@ def test_skipped_family_globs_leave_every_quantizer_as_it_was(checkpoint, name):
         cfg = R.quant_config(R.load(name), model.config, family_exclusions=False)["quant_cfg"]
         if prune:
             cfg = cfg + R.family_exclusion_entries(cfg, model.config)
-        else:
-            spec = R._family(model.config)
-            cfg = cfg + [{"quantizer_name": p, "enable": False} for p in spec.quantizer_exclusions(model.config)]
+        else:  # as before: the family's static globs, then one glob per KDA layer and projection
+            text = model.config.get_text_config()
+            static = [p for p in R._family(model.config).quantizer_exclusions(model.config) if "layers." not in p]
+            per_layer = [f"*layers.{i}.self_attn.{leaf}*" for i in range(text.num_hidden_layers) if not text.is_mla(i)
+                         for leaf in ("f_a_proj", "f_b_proj", "b_proj", "g_proj")]
+            cfg = cfg + [{"quantizer_name": p, "enable": False} for p in static + per_layer]
         replace_quant_module(model)
         set_quantizer_by_cfg(model, cfg)
         states.append(({n: (m.is_enabled, repr(m)) for n, m in model.named_modules() if isinstance(m, TensorQuantizer)},

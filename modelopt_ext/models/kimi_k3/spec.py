@@ -49,9 +49,21 @@ def quantizer_exclusions(config) -> tuple[str, ...]:
         "*lm_head*",
         "*embed_tokens*",
     ]
-    for i in kda_layers:
-        patterns += [f"*layers.{i}.self_attn.{p}*" for p in ("f_a_proj", "f_b_proj", "b_proj", "g_proj")]
+    for leaf in ("f_a_proj", "f_b_proj", "b_proj", "g_proj"):
+        patterns += layer_globs(kda_layers, f"self_attn.{leaf}")
     return tuple(patterns)
+
+
+def layer_globs(layers: list[int], suffix: str) -> list[str]:
+    """fnmatch globs that together match exactly the names `*layers.{i}.{suffix}*` for i in `layers`: ids
+    sharing all but their last digit in one glob, the last digit as a character class (`*layers.1[0245].X*`
+    is the union of `*layers.10.X*`, `*layers.12.X*`, ...). One glob per ten layers instead of one per layer:
+    ModelOpt matches every entry against every module (docs/calibration.md)."""
+    tens: dict[str, list[str]] = {}
+    for i in sorted(set(layers)):
+        tens.setdefault(str(i)[:-1], []).append(str(i)[-1])
+    return [f"*layers.{head}{last[0] if len(last) == 1 else '[' + ''.join(last) + ']'}.{suffix}*"
+            for head, last in tens.items()]
 
 
 def _load(path, **kwargs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import random
 import re
 import shutil
 import types
@@ -398,3 +399,19 @@ def test_adapter_load_leaves_no_registration(packed_model):
     # the loaded model keeps its own copy for save_pretrained
     convs = getattr(model, "_weight_conversions", None)
     assert convs and any("gate_up_proj_packed" in c.target_patterns[0] for c in convs if hasattr(c, "operations"))
+
+
+def test_layer_globs_match_exactly_the_given_layers():
+    """One glob per ten layers (last digit as a character class) matches the same names as one glob per layer,
+    for one-, two- and three-digit ids, and no other layer's name."""
+    rng = random.Random(0)
+    names = [f"language_model.model.layers.{i}.self_attn.g_proj.weight_quantizer" for i in range(1000)]
+    names += ["language_model.model.layers.3.self_attn.o_proj.weight_quantizer", "layers.3.self_attn.g_proj"]
+    for layers in ([0], [7, 8, 9], list(range(93)), rng.sample(range(300), 120), [i for i in range(93) if i % 4 != 3]):
+        globs = spec.layer_globs(layers, "self_attn.g_proj")
+        per_layer = [f"*layers.{i}.self_attn.g_proj*" for i in layers]
+        for name in names:
+            assert _excluded(globs, name) == _excluded(per_layer, name), (name, globs)
+        assert len(globs) <= len({i // 10 for i in layers})
+    # Kimi-K3's 93 layers: 4 kinds of KDA projection in 10 globs each at most, not one per layer
+    assert len(spec.layer_globs([i for i in range(93) if i % 4 != 3], "self_attn.g_proj")) == 10
