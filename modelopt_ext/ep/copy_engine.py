@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .local import block_rows
+from .overlap import Layout, Link
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def _recorded(stream) -> torch.cuda.Event:
     return event
 
 
-class CopyEngineLink:
+class CopyEngineLink(Link):
     """The exchange steps `ep.overlap.overlapped_moe` takes, through copy engines (see the module doc)."""
 
     def __init__(self, group, x_TH: torch.Tensor):
@@ -206,8 +207,6 @@ class CopyEngineLink:
     def layout(self, send_WCE: torch.Tensor, routing=None):
         """Every rank's counts (one all_gather, one host read) -> this call's `overlap.Layout`; grows the
         buffer when needed and opens the call with a barrier."""
-        from .overlap import Layout
-
         W, C, E = send_WCE.shape
         every = torch.empty(W, W, C, E, dtype=send_WCE.dtype, device=send_WCE.device)
         dist.all_gather_into_tensor(every, send_WCE.contiguous(), group=self.group)
@@ -218,12 +217,6 @@ class CopyEngineLink:
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         self.layout_ = Layout(self.plan.send_sizes, self.plan.recv_sizes, None, self.plan.segments)
         return self.layout_
-
-    def send_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return x_TH.new_empty(self.layout_.send_off[-1], x_TH.shape[1])
-
-    def received(self, c: int, recv_x: torch.Tensor) -> torch.Tensor:
-        return recv_x[self.layout_.recv_off[c]:self.layout_.recv_off[c + 1]]
 
     def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
         return self.buffer.rows(self.rank, 0, self.layout_.recv_off[-1], self.width, self.dtype)

@@ -36,7 +36,6 @@ from modelopt_ext.faults import mark_exchange
 
 from .dispatch import count_ids, inverse_permutation
 from .local import Segment, block_segments, gather_weighted_sum
-from .token_link import Routing, TokenLink
 
 # Chunks of the rank's tokens (C above). 1 exchanges everything, then computes, then exchanges back.
 CHUNKS = 2
@@ -96,7 +95,31 @@ class Layout:
         return list(itertools.accumulate(map(sum, self.recv_sizes), initial=0))
 
 
-class NcclLink:
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """What a link may use beyond the counts: the ids [T, K], the send order of the slots (sorted by chunk, then
+    global expert), each token's chunk [T] and the chunk count."""
+
+    ids_TK: torch.Tensor
+    order_S: torch.Tensor
+    chunk_T: torch.Tensor
+    chunks: int
+
+
+class Link:
+    """What the links share once `layout` has set `layout_`: one send buffer of the layout's send rows, and
+    chunk c's received rows as a slice of the receive buffer."""
+
+    layout_: Layout
+
+    def send_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return x_TH.new_empty(self.layout_.send_off[-1], x_TH.shape[1])
+
+    def received(self, c: int, recv_x: torch.Tensor) -> torch.Tensor:
+        return recv_x[self.layout_.recv_off[c]:self.layout_.recv_off[c + 1]]
+
+
+class NcclLink(Link):
     """The exchange steps through `all_to_all_single` (asynchronous, on the process group's stream)."""
 
     def __init__(self, group):
@@ -111,17 +134,11 @@ class NcclLink:
                               [[sum(recv_host[w][c]) for w in range(len(recv_host))] for c in range(C)], recv_host)
         return self.layout_
 
-    def send_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return x_TH.new_empty(self.layout_.send_off[-1], x_TH.shape[1])
-
     def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
         return x_TH.new_empty(self.layout_.recv_off[-1], x_TH.shape[1])
 
     def return_buffer(self, y: torch.Tensor) -> torch.Tensor:
         return y.new_empty(self.layout_.send_off[-1], y.shape[1])
-
-    def received(self, c: int, recv_x: torch.Tensor) -> torch.Tensor:
-        return recv_x[self.layout_.recv_off[c]:self.layout_.recv_off[c + 1]]
 
     def send(self, c: int, x_TH, source_rows, send_x, recv_x):
         lay = self.layout_
@@ -138,16 +155,19 @@ class NcclLink:
 
 def _link(transport: str | None, group, x_TH: torch.Tensor, num_local_experts: int):
     if resolve_transport(transport, x_TH) == "nccl":
-        return TokenLink(group, num_local_experts) if TOKEN_DISPATCH else NcclLink(group)
+        if not TOKEN_DISPATCH:
+            return NcclLink(group)
+        from .token_link import TokenLink
+
+        return TokenLink(group, num_local_experts)
     from .copy_engine import CopyEngineLink
 
     return CopyEngineLink(group, x_TH)
 
 
-def _chunk_keys(ids_TK: torch.Tensor, chunks: int, num_global_experts: int) -> torch.Tensor:
-    T, K = ids_TK.shape
-    chunk_T = torch.arange(T, device=ids_TK.device) * chunks // max(T, 1)
-    return (chunk_T.unsqueeze(1) * num_global_experts + ids_TK).reshape(-1)
+def _token_chunks(T: int, chunks: int, device) -> torch.Tensor:
+    """Each token's chunk: t * C // T (contiguous chunks of near-equal size)."""
+    return torch.arange(T, device=device) * chunks // max(T, 1)
 
 
 def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_local_experts: int,
@@ -171,10 +191,11 @@ def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.T
     mark_exchange()
     W, E = dist.get_world_size(group), num_local_experts
     T, K = ids_TK.shape
-    key_S = _chunk_keys(ids_TK, C, W * E)
+    chunk_T = _token_chunks(T, C, ids_TK.device)
+    key_S = (chunk_T.unsqueeze(1) * (W * E) + ids_TK).reshape(-1)
     order_S = torch.argsort(key_S, stable=True)
     lay = link.layout(count_ids(key_S, C * W * E).view(C, W, E).transpose(0, 1).contiguous(),
-                      Routing(ids_TK, order_S, C))
+                      Routing(ids_TK, order_S, chunk_T, C))
     send_off = lay.send_off
     token_off = [(c * T + C - 1) // C for c in range(C + 1)]  # chunk c: tokens t with t * C // T == c
     # Chunk by chunk: gather its send rows, then issue its exchange, so chunk c+1's gather overlaps chunk c's.

@@ -19,23 +19,13 @@ The receiver pays one gather of the R slot rows (HBM to HBM) and an int64 per sl
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import torch
 import torch.distributed as dist
 
 from .dispatch import count_ids
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """What a link may use beyond the counts: the ids, the send order of the slots (sorted by chunk, then
-    global expert) and the chunk count."""
-
-    ids_TK: torch.Tensor
-    order_S: torch.Tensor
-    chunks: int
+from .overlap import Layout, NcclLink, Routing
 
 
 class _Both:
@@ -47,20 +37,21 @@ class _Both:
             work.wait()
 
 
-class TokenLink:
-    """`overlap.overlapped_moe`'s exchange steps with token-level dispatch (see the module doc)."""
+class TokenLink(NcclLink):
+    """`overlap.overlapped_moe`'s exchange steps with token-level dispatch (see the module doc); the return
+    (`return_buffer`, `send_back`) is `NcclLink`'s, one row per slot."""
 
     def __init__(self, group, num_local_experts: int):
-        self.group, self.E = group, num_local_experts
+        super().__init__(group)
+        self.E = num_local_experts
 
     def _plan_tokens(self, routing: Routing, W: int) -> torch.Tensor:
         """On the device, no sync: which token rows go where (`token_source`, ordered chunk, destination,
         token), each slot's token position among them (`slot_position`, send order); returns the token rows
         per (chunk, destination), [C, W]."""
-        ids_TK, order_S, C = routing.ids_TK, routing.order_S, routing.chunks
+        ids_TK, order_S, chunk_T, C = routing.ids_TK, routing.order_S, routing.chunk_T, routing.chunks
         T, device = ids_TK.shape[0], ids_TK.device
         dest_TK = ids_TK // self.E
-        chunk_T = torch.arange(T, device=device) * C // max(T, 1)
         # [W, T] (rank-major): torch scans an inner dimension fast, an outer one of width W very slowly
         sent_WT = torch.zeros(W, T, dtype=torch.bool, device=device).scatter_(0, dest_TK.t(), True)
         # pair p = w * T + t; the sent pairs sorted by (chunk, destination), token order kept; unsent ones last
@@ -77,8 +68,6 @@ class TokenLink:
 
     def layout(self, send_WCE: torch.Tensor, routing: Routing):
         """Slot and token counts of every (rank, chunk) exchanged in one all_to_all, read in one host sync."""
-        from .overlap import Layout
-
         W, C, E = send_WCE.shape
         tokens_CW = self._plan_tokens(routing, W)
         counts = torch.cat([send_WCE, tokens_CW.t().unsqueeze(-1)], dim=2).contiguous()  # [W, C, E + 1]
@@ -107,9 +96,6 @@ class TokenLink:
         self.positions_in = self.slot_position.new_empty(self.layout_.recv_off[-1])
         return x_TH.new_empty(self.layout_.recv_off[-1], x_TH.shape[1])
 
-    def return_buffer(self, y: torch.Tensor) -> torch.Tensor:
-        return y.new_empty(self.layout_.send_off[-1], y.shape[1])
-
     def send(self, c: int, x_TH, source_rows, send_x, recv_x):
         """Chunk c: its token rows (gathered here) and each slot's token position, to their ranks."""
         lay, first, last = self.layout_, self.token_send_off[c], self.token_send_off[c + 1]
@@ -126,14 +112,9 @@ class TokenLink:
     def received(self, c: int, recv_x: torch.Tensor) -> torch.Tensor:
         """Chunk c's slot rows, rebuilt from its token rows (after its `send` was waited for)."""
         lay = self.layout_
-        rows = recv_x[lay.recv_off[c]:lay.recv_off[c + 1]]
+        rows = super().received(c, recv_x)
         if not rows.shape[0]:
             return rows
         base_R = self.token_base_CW[c].repeat_interleave(self.slots_in_CW[c], output_size=rows.shape[0])
         positions = self.positions_in[lay.recv_off[c]:lay.recv_off[c + 1]] + base_R
         return torch.index_select(self.tokens_in, 0, positions, out=rows)
-
-    def send_back(self, c: int, y, back):
-        lay = self.layout_
-        return dist.all_to_all_single(back[lay.send_off[c]:lay.send_off[c + 1]], y, lay.send_sizes[c],
-                                      lay.recv_sizes[c], group=self.group, async_op=True)

@@ -346,14 +346,6 @@ def _pure_disable(entry: Mapping[str, Any]) -> bool:
     return not entry.get("enable", True) and entry.get("cfg") is None and not entry.get("parent_class")
 
 
-def _star_literal(glob: str) -> str | None:
-    """X for a glob `*X*` whose X holds no wildcard (fnmatch: any name containing X), else None."""
-    inner = glob[1:-1]
-    if len(glob) > 2 and glob[0] == glob[-1] == "*" and not any(c in inner for c in "*?["):
-        return inner
-    return None
-
-
 def _literal_parts(glob: str) -> list[str]:
     """The literal runs of a glob `*...*` whose inside has character classes at most (`*layers.1[02].X*` ->
     ["layers.1", ".X"]): a name it matches contains each of them. [] for any other glob."""
@@ -379,7 +371,8 @@ def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config) -
             final.append(entry["quantizer_name"])
         elif entry.get("enable", True) or entry.get("cfg") is not None:
             final = []
-    literals = [lit for lit in map(_star_literal, final) if lit is not None]
+    # the X of each final `*X*` without wildcards: it covers every glob with X inside one of its literal runs
+    literals = [parts[0] for parts in map(_literal_parts, final) if len(parts) == 1]
 
     def covered(glob: str) -> bool:
         parts = _literal_parts(glob)

@@ -347,6 +347,7 @@ def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int], token_dis
         links.append(make_link(*args))
         return links[-1]
 
+    saved = overlap.TOKEN_DISPATCH
     overlap.TOKEN_DISPATCH, overlap._link = token_dispatch, recording_link
     try:
         with torch.no_grad():
@@ -355,7 +356,7 @@ def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int], token_dis
                 identical[str(c)] = bool(torch.equal(got, want))
                 token_rows[str(c)] = getattr(links[-1], "token_send_off", [None])[-1]
     finally:
-        overlap.TOKEN_DISPATCH, overlap._link = True, make_link
+        overlap.TOKEN_DISPATCH, overlap._link = saved, make_link
     distinct = int(sum(len(set((ids[t] // E).tolist())) for t in range(tokens)))
     return {"identical": identical, "segments_cover_rows": seen["ok"], "shapes_ok": tuple(want.shape) == (tokens, H),
             "token_rows": token_rows, "distinct_token_ranks": distinct, "slots": tokens * K}
