@@ -27,25 +27,32 @@ with open("/tmp/calib.txt", "w") as f:
         f.write("\n".join(lines) + "\n\n")
 PY
 ARGS="--model /tmp/mid --dataset /tmp/calib.txt --calib-size ${CALIB_SIZE:-64} --batch-size 4 --seq-len 2048 --no-progress --overwrite"
-# run NAME NPROC [MODULE.ATTR=VALUE ...]: one ptq (scripts/run_with.py applies the settings first).
+# run NAME NPROC [MODULE.ATTR=VALUE ...]: one ptq (scripts/run_with.py applies the settings first; $EXTRA
+# holds more ptq flags).
 run() {
   local name=$1 n=$2; shift 2
-  python3 -m torch.distributed.run --standalone --nproc-per-node "$n" scripts/run_with.py "$@" -- ptq $ARGS \
+  python3 -m torch.distributed.run --standalone --nproc-per-node "$n" scripts/run_with.py "$@" -- ptq $ARGS ${EXTRA:-} \
     --export-dir "/tmp/export_$name" --summary-json "$OUT/summary_$name.json" > "$OUT/ptq_$name.txt" 2>&1 \
     || { grep -v Warning "$OUT/ptq_$name.txt" | tail -40; exit 1; }
   echo "== $name"; grep -E "calibrate done|tokens/s|peak" "$OUT/ptq_$name.txt" | tail -4
 }
-# WARMUP=1: a short EP2 run first, so Triton's and torch.compile's on-disk caches are filled before timing.
+# EPS: the EP degrees to run, each on as many GPUs (default "1 2"; "1" on a machine of one GPU).
+EPS=${EPS:-"1 2"}; LAST=${EPS##* }
+# WARMUP=1: a short run at the last degree first, so Triton's and torch.compile's on-disk caches are filled
+# before timing.
 if [ "${WARMUP:-0}" = 1 ]; then
-  FULL=$ARGS; ARGS="${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 16}"; run warmup 2; ARGS=$FULL
+  FULL=$ARGS; ARGS="${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 16}"; run warmup "$LAST"; ARGS=$FULL
 fi
 # REPEAT rounds of EP1, EP2 (with AB=1 also EP2 without the overlapped pipeline: dispatch -> experts' class
 # forward -> combine; with CE=1 also EP2 with the exchange through the copy engines, ep.copy_engine; with
-# TOKENS=1 also EP2 through NCCL with each token sent once per rank, ep.token_link),
+# TOKENS=1 also EP2 through NCCL with each token sent once per rank, ep.token_link; with NOWARM=1 also each
+# degree without the warm-up forward during the load, `--no-warmup`),
 # alternating, so all see the same machine state; summary_<name>_<round>.json each.
 for r in $(seq 1 "${REPEAT:-1}"); do
-  run "ep1_$r" 1
-  run "ep2_$r" 2
+  for n in $EPS; do
+    run "ep${n}_$r" "$n"
+    [ "${NOWARM:-0}" = 1 ] && EXTRA=--no-warmup run "ep${n}nowarm_$r" "$n"
+  done
   [ "${AB:-0}" = 1 ] && run "ep2base_$r" 2 modelopt_ext.ep.backend.PIPELINE=False
   [ "${CE:-0}" = 1 ] && run "ep2ce_$r" 2 "modelopt_ext.ep.overlap.TRANSPORT='copy_engine'"
   [ "${TOKENS:-0}" = 1 ] && run "ep2tokens_$r" 2 modelopt_ext.ep.overlap.TOKEN_DISPATCH=True
@@ -53,10 +60,17 @@ done
 # PROFILE=1: one more run of each (64 blocks) with the calibration profiler (tables per rank under $OUT/prof_<name>/).
 if [ "${PROFILE:-0}" = 1 ]; then
   ARGS="${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 64}"
-  MODELOPT_EXT_PROFILE="$OUT/prof_ep1" run prof_ep1 1
-  MODELOPT_EXT_PROFILE="$OUT/prof_ep2" run prof_ep2 2
+  for n in $EPS; do MODELOPT_EXT_PROFILE="$OUT/prof_ep$n" run "prof_ep$n" "$n"; done
   [ "${AB:-0}" = 1 ] && MODELOPT_EXT_PROFILE="$OUT/prof_ep2base" run prof_ep2base 2 modelopt_ext.ep.backend.PIPELINE=False
 fi
-python3 -m modelopt_ext verify /tmp/export_ep2_1 --source /tmp/mid 2>&1 | tail -4 | tee "$OUT/verify_ep2.txt"
-(cd /tmp && for f in $(ls export_ep1_1); do cmp -s "export_ep1_1/$f" "export_ep2_1/$f" || echo "differs: $f"; done) \
-  | tee "$OUT/compare.txt" | head -20
+# CPROFILE=1: one more EP1 run (64 blocks) under cProfile, for the host cost of the conversion and the first
+# batch ($OUT/cprofile_ep1.prof; read with pstats).
+if [ "${CPROFILE:-0}" = 1 ]; then
+  python3 -m cProfile -o "$OUT/cprofile_ep1.prof" -m modelopt_ext ptq ${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 64} \
+    --export-dir /tmp/export_cprofile --summary-json "$OUT/summary_cprofile_ep1.json" > "$OUT/ptq_cprofile_ep1.txt" 2>&1
+fi
+python3 -m modelopt_ext verify "/tmp/export_ep${LAST}_1" --source /tmp/mid 2>&1 | tail -4 | tee "$OUT/verify_ep$LAST.txt"
+if [ "$EPS" != "$LAST" ]; then
+  (cd /tmp && for f in $(ls "export_ep${EPS%% *}_1"); do cmp -s "export_ep${EPS%% *}_1/$f" "export_ep${LAST}_1/$f" || echo "differs: $f"; done) \
+    | tee "$OUT/compare.txt" | head -20
+fi
