@@ -181,6 +181,9 @@ def _add_ptq(sub) -> None:
                    help=f"bound on every collective wait (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--summary-json", default=None, metavar="PATH", help="also write the summary as JSON (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="on GPUs, no warm-up forward of a small model of the same classes during the load "
+                   "(it pays the first-call costs while the checkpoint is read; docs/ptq.md)")
 
 
 def _run_ptq(args) -> int:

@@ -9,7 +9,9 @@ Phases, each timed, run on every rank in step:
   degree and experts per file, the recipe with its `--set` overrides, the tokenizer and the calibration
   data, the export folder (`check_export_dir`).
   Under torchrun the ranks first check that they all got the same arguments (`dist.agree`).
-- load: `modelopt_ext.from_pretrained` with EP degree `--ep` (default: the world size under torchrun).
+- load: `modelopt_ext.from_pretrained` with EP degree `--ep` (default: the world size under torchrun). On
+  GPUs (unless `--no-warmup`) a small model of the same classes runs one calibration-shaped forward on a
+  thread meanwhile, so the process's first-call costs overlap the read (`modelopt_ext.warmup`).
 - calibrate: the recipe's quant config with the family's exclusions, this rank's batches (tokenized on a
   thread started at the end of validate, so it overlaps the load; cut to the same count on every rank: EP
   forwards are collective), `calibrate`. The recipe's patterns are checked against
@@ -94,7 +96,8 @@ class PtqSummary:
     bytes_written: list[int]  # tensor bytes written by the export
     coverage: str  # Coverage.summary_line()
     # per rank: the calibrate phase's parts (`quant.calibrate.CalibrationResult.seconds`) after "prepare",
-    # and first "tokenize": the tokenizing thread's seconds, spent while the model loaded (not in the phase)
+    # and first "tokenize": the tokenizing thread's seconds, spent while the model loaded (not in the phase);
+    # on GPUs "warmup" before it: the warm-up forward's seconds, also during the load (absent when none ran)
     calibrate_parts: list[dict[str, float]] = dataclasses.field(default_factory=list)
     rank: int = dataclasses.field(default=0, compare=False)  # the rank holding this copy
 
@@ -295,6 +298,8 @@ class _Run:
             kwargs["remote_code_lock"] = a.remote_code_lock
         if a.experts_implementation is not None:
             kwargs["experts_implementation"] = a.experts_implementation
+        if torch.cuda.is_available() and not getattr(a, "no_warmup", False):
+            kwargs["warmup_tokens"] = (a.batch_size, a.seq_len)  # a calibration batch's shape
         if self.ep_size is None:
             if torch.cuda.is_available():
                 kwargs["device_map"] = "cuda"
@@ -345,7 +350,9 @@ class _Run:
         prepared = time.perf_counter() - started  # the recipe's config, waiting for the batches, on the device
         with bar:
             result = all_or_fail("calibrate", lambda: calibrate(model, cfg, batches, **options))
-        result.seconds = {"tokenize": tokenized, "prepare": round(prepared, 3), **result.seconds}
+        warmup = getattr(model, "modelopt_ext_warmup_s", None)
+        result.seconds = {**({"warmup": warmup} if warmup is not None else {}), "tokenize": tokenized,
+                          "prepare": round(prepared, 3), **result.seconds}
         return result, tokens
 
     def _export(self, result):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import modelopt_ext
 from modelopt_ext import ptq
 from modelopt_ext.cli import build_parser, main
 from modelopt_ext.dist import DEFAULT_TIMEOUT_S
@@ -244,6 +245,18 @@ def test_a_failed_load_leaves_no_tokenizing_thread(ckpt, tmp_path, monkeypatch, 
     assert main(["ptq", "--model", str(ckpt), "--export-dir", str(tmp_path / "out"), *FAST]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == "modelopt-ext ptq: error: load: disk gone"
     assert calls == [1] and not [t for t in threading.enumerate() if t.name.startswith("ptq-tokenize")]
+
+
+@pytest.mark.parametrize("cuda, flags, expected", [(True, (), (2, 16)), (True, ("--no-warmup",), None),
+                                                   (False, (), None)])
+def test_the_warmup_runs_on_gpus_with_a_calibration_batch_shape(monkeypatch, cuda, flags, expected):
+    """On GPUs the load asks for a warm-up forward of one calibration batch's shape; `--no-warmup` and
+    CPU runs do not (modelopt_ext.warmup)."""
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(modelopt_ext, "from_pretrained", lambda path, **kwargs: seen.update(kwargs))
+    ptq._Run(_parse("--model", "m", "--export-dir", "out", "--batch-size", "2", "--seq-len", "16", *flags))._load()
+    assert seen.get("warmup_tokens") == expected
 
 
 @EXPORTER

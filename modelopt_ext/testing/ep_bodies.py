@@ -49,13 +49,15 @@ def _force_routing(model, experts: list[int]) -> None:
 
 
 def ep_logits(rank: int, world_size: int, ckpt: str, dense: str, force_experts: list[int] | None = None,
-              impl: str | None = None):
-    """Logits of the EP model and of the same checkpoint in this one process, on a batch of this rank's own."""
+              impl: str | None = None, warmup: bool = False):
+    """Logits of the EP model and of the same checkpoint in this one process, on a batch of this rank's own
+    (`warmup`: the EP load runs the warm-up forward on a thread meanwhile)."""
     kwargs = {"trust_remote_code": True, "dtype": torch.float32}
     if impl is not None:
         kwargs["experts_implementation"] = impl
     single = modelopt_ext.from_pretrained(ckpt, **kwargs)
-    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, **kwargs)
+    warm = {"warmup_tokens": (2, 16)} if warmup else {}
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, **kwargs, **warm)
     if force_experts is not None:
         _force_routing(single, force_experts)
         _force_routing(model, force_experts)
@@ -65,7 +67,8 @@ def ep_logits(rank: int, world_size: int, ckpt: str, dense: str, force_experts: 
         ref = single(input_ids=ids, use_cache=False).logits
     experts = model.language_model.model.layers[1].block_sparse_moe.experts
     return {"ep": ep, "ref": ref, "bytes_read": model.modelopt_ext_bytes_read,
-            "plan": model.modelopt_ext_plan.to_dict(), "local_experts": experts.num_experts}
+            "plan": model.modelopt_ext_plan.to_dict(), "local_experts": experts.num_experts,
+            "warmup_s": model.modelopt_ext_warmup_s}
 
 
 def plan_refusal(rank: int, world_size: int, ckpt: str, ep_size: int):

@@ -54,6 +54,16 @@ def test_ep_logits_equal_single_process(tiny_ckpt, world, dense):
     assert not torch.equal(results[0]["ep"], results[1]["ep"])  # ranks ran different batches
 
 
+def test_a_warmup_during_the_ep_load_changes_nothing(tiny_ckpt):
+    """The warm-up forward runs on a thread of every rank while the EP load's collectives run on the main
+    thread; the logits still equal the single-process ones exactly."""
+    results = run_ranks(BODY + "ep_logits", 2, {"ckpt": str(tiny_ckpt), "dense": "replicate", "impl": "batched_mm",
+                                                 "warmup": True}, timeout_s=300)
+    for rank, r in enumerate(results):
+        assert isinstance(r["warmup_s"], float), f"rank {rank}: the warm-up did not run"
+        assert torch.equal(r["ep"], r["ref"]), f"rank {rank}: {(r['ep'] - r['ref']).abs().max()}"
+
+
 @pytest.mark.parametrize("world,dense", [(2, "replicate"), (4, "fsdp")])
 def test_skewed_routing_idle_ranks_and_experts(tiny_ckpt, world, dense):
     """Every token to experts 0..3 (all on rank 0): other ranks receive nothing, rank 0's other experts too."""

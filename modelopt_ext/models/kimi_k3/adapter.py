@@ -24,6 +24,7 @@ from modelopt_ext.ep.sharding import count_checkpoint_reads, localize_replicated
 from modelopt_ext.families import read_config
 from modelopt_ext.lock import check_remote_code, load_lock
 from modelopt_ext.versions import check_min_versions
+from modelopt_ext.warmup import Warmup
 
 from .cache import KimiHybridCache
 from .convert import scoped_conversion_mapping
@@ -31,6 +32,7 @@ from .experts import KimiK3PackedExperts
 from .kda import apply_kda_patch, plan_kda_patch
 from .patch import apply_patches, expert_storage, missing_classes
 from .spec import EXPERTS_GLOB, KIMI_K3
+from .warmup import build_warmup_model, warmup_bytes, warmup_input_ids
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +144,54 @@ def _distributed_config(prepared: Prepared, config, plan):
     return DistributedConfig(**kwargs, ep_plan=ep_plan)
 
 
-def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distribution_plan=None, **kwargs):
+def warmup_fits(plan, config) -> bool:
+    """Whether the warm-up model fits beside the plan's resident estimate within the usable device memory (its
+    activations take the calibration activations' share, unused during the load); logs when it does not."""
+    from modelopt_ext.plan import USABLE_FRACTION
+
+    need, usable = warmup_bytes(config), USABLE_FRACTION * plan.device_memory_bytes
+    if plan.estimate.total_bytes + need <= usable:
+        return True
+    logger.info("no warm-up forward: its %.1f GiB do not fit beside the plan's %.1f GiB in %.1f GiB usable",
+                need / 2**30, plan.estimate.total_bytes / 2**30, usable / 2**30)
+    return False
+
+
+def _start_warmup(prepared: Prepared, config, tokens: tuple[int, int], device: torch.device, kwargs) -> Warmup | None:
+    """Build the warm-up model on this thread (its construction sets transformers' global default dtype, so
+    it must not overlap the load) and start its forward on another (`modelopt_ext.warmup`). A failure to
+    build it (out of memory, say) is logged, and the load goes on without it."""
+    batch, seq_len = tokens
+    dtype = kwargs.get("dtype")
+    if not isinstance(dtype, torch.dtype):
+        dtype = getattr(torch, str(getattr(config, "dtype", None) or "bfloat16").removeprefix("torch."))
+    try:
+        model = build_warmup_model(prepared.model_class, config, storage=prepared.storage, device=device,
+                                   dtype=dtype, experts_implementation=kwargs.get("experts_implementation"))
+        ids = warmup_input_ids(config, batch, seq_len, device)
+    except Exception as e:  # noqa: BLE001 - an optimisation: report, never fail the load
+        logger.warning("no warm-up forward: building its model failed: %s: %s", type(e).__name__, e)
+        return None
+    return Warmup(model, ids).start()
+
+
+def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distribution_plan=None,
+         warmup_tokens: tuple[int, int] | None = None, warmup_timeout_s: float = 600.0, **kwargs):
     """Validate, patch and load a Kimi-K3 checkpoint; returns `KimiK3ForConditionalGeneration`.
 
     Keyword arguments are transformers' `from_pretrained` ones (`dtype`, `device_map`, `trust_remote_code`,
     `experts_implementation`, ...); `remote_code_lock` names a lock recorded with `modelopt-ext
     lock-remote-code` for reviewed code that differs from the pinned revision. With a `distribution_plan`
     (from `modelopt_ext.plan`, inside an initialised process group) the experts are sharded across the EP
-    ranks as the checkpoint is read; each rank reads only its own experts' bytes.
+    ranks as the checkpoint is read; each rank reads only its own experts' bytes. With `warmup_tokens`
+    (batch, sequence length) a small model of the same classes runs one forward of that shape on a thread
+    during the read (`models/kimi_k3/warmup.py`), waited for up to `warmup_timeout_s` at the end, unless
+    it does not fit beside the plan's memory estimate; the model's `modelopt_ext_warmup_s` holds its
+    seconds (None: not run, failed or still running).
     """
+    if warmup_tokens is not None and not (len(warmup_tokens) == 2 and all(isinstance(n, int) and n > 0
+                                                                         for n in warmup_tokens)):
+        raise CheckpointError(f"warmup_tokens {warmup_tokens!r} must be two positive sizes (batch, sequence length)")
     prepared = prepare(path, remote_code_lock=remote_code_lock, **kwargs)
     # fla-core kernels need CUDA: with no GPU, or when the caller places the model on the CPU, fla kernels
     # (real upstream imports them directly) are replaced by the torch reference.
@@ -163,6 +204,10 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
         config = prepared.model_class.config_class.from_pretrained(str(prepared.path))
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the adapter reads the MXFP4 experts itself
+        warm = None
+        if warmup_tokens is not None and (distribution_plan is None or warmup_fits(distribution_plan, config)):
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            warm = _start_warmup(prepared, config, warmup_tokens, device, kwargs)
         if distribution_plan is not None:
             kwargs["distributed_config"] = _distributed_config(prepared, config, distribution_plan)
         converters = KIMI_K3.converters(prepared.storage)
@@ -174,6 +219,7 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
             model, info = prepared.model_class.from_pretrained(
                 str(prepared.path), config=config, output_loading_info=True, **kwargs
             )
+    model.modelopt_ext_warmup_s = warm.wait(warmup_timeout_s) if warm is not None else None
     _strict_loading_info(info, prepared.path)
     if distribution_plan is not None:
         capture_ep_forwards(model)
