@@ -157,6 +157,19 @@ def warmup_fits(plan, config) -> bool:
     return False
 
 
+def warmup_device(device_map, on_gpu: bool, current: int = 0) -> torch.device:
+    """Where the warm-up runs: the CPU, the one CUDA device `device_map` names, or else the current one (EP
+    ranks, `device_map="cuda"`, or a map spread over several devices)."""
+    if not on_gpu:
+        return torch.device("cpu")
+    if isinstance(device_map, (str, torch.device)) and str(device_map).startswith("cuda"):
+        device = torch.device(device_map)
+        return device if device.index is not None else torch.device("cuda", current)
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    return torch.device("cuda", current)
+
+
 def _start_warmup(prepared: Prepared, config, tokens: tuple[int, int], device: torch.device, kwargs) -> Warmup | None:
     """Build the warm-up model on this thread (its construction sets transformers' global default dtype, so
     it must not overlap the load) and start its forward on another (`modelopt_ext.warmup`). A failure to
@@ -206,7 +219,7 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
             del config.quantization_config  # the adapter reads the MXFP4 experts itself
         warm = None
         if warmup_tokens is not None and (distribution_plan is None or warmup_fits(distribution_plan, config)):
-            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            device = warmup_device(device_map, on_gpu, torch.cuda.current_device() if on_gpu else 0)
             warm = _start_warmup(prepared, config, warmup_tokens, device, kwargs)
         if distribution_plan is not None:
             kwargs["distributed_config"] = _distributed_config(prepared, config, distribution_plan)

@@ -146,3 +146,14 @@ def test_a_warmup_model_that_cannot_be_built_does_not_fail_the_load(ckpt, monkey
         model = modelopt_ext.from_pretrained(ckpt, trust_remote_code=True, dtype=torch.bfloat16, warmup_tokens=(1, 8))
     assert model.modelopt_ext_warmup_s is None
     assert "building its model failed" in caplog.text and "out of memory (simulated)" in caplog.text
+
+
+def test_the_warmup_runs_on_the_device_the_model_goes_to():
+    cuda = torch.device
+    assert adapter.warmup_device("cuda", on_gpu=False) == cuda("cpu")
+    assert adapter.warmup_device("cuda", on_gpu=True, current=3) == cuda("cuda", 3)
+    assert adapter.warmup_device("cuda:1", on_gpu=True, current=0) == cuda("cuda", 1)
+    assert adapter.warmup_device(cuda("cuda", 2), on_gpu=True) == cuda("cuda", 2)
+    assert adapter.warmup_device(1, on_gpu=True) == cuda("cuda", 1)
+    assert adapter.warmup_device(None, on_gpu=True, current=1) == cuda("cuda", 1)  # EP ranks: their own device
+    assert adapter.warmup_device({"": 0}, on_gpu=True, current=0) == cuda("cuda", 0)
