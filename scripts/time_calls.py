@@ -21,25 +21,20 @@ import sys
 import time
 from pathlib import Path
 
+from modelopt_ext.profiling import sync_device
+
 TIMES: dict[str, list] = {}
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def timed(name: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        _sync()
+        sync_device()
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            _sync()
+            sync_device()
             entry = TIMES.setdefault(name, [0.0, 0])
             entry[0] += time.perf_counter() - start
             entry[1] += 1

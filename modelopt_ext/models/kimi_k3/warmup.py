@@ -21,6 +21,10 @@ from .sizes import plan_sizes
 VOCAB = 4096  # input ids are drawn below it; the embedding and lm_head shrink to it
 
 
+def _vocab(text_config) -> int:
+    return min(text_config.vocab_size, VOCAB)
+
+
 def warmup_config(config):
     """A copy of a `KimiK3Config` shrunk as the module doc says; raises ValueError if it has no MoE layer kind
     to keep (fewer than one routed expert per token)."""
@@ -33,7 +37,7 @@ def warmup_config(config):
     text.first_k_dense_replace = dense
     text.moe_layer_freq = 1
     text.num_experts = text.num_experts_per_token
-    text.vocab_size = min(text.vocab_size, VOCAB)
+    text.vocab_size = _vocab(text)
     text.attn_res_block_size = min(text.attn_res_block_size, 2)  # a block boundary inside the three layers
     text.linear_attn_config = dict(text.linear_attn_config, full_attn_layers=[n], kda_layers=list(range(1, n)))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -75,5 +79,4 @@ def build_warmup_model(model_class, config, *, storage: str, device: torch.devic
 def warmup_input_ids(config, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
     """[batch, seq_len] token ids below the warm-up vocabulary, the same on every call."""
     generator = torch.Generator().manual_seed(0)
-    vocab = min(config.text_config.vocab_size, VOCAB)
-    return torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
+    return torch.randint(0, _vocab(config.text_config), (batch, seq_len), generator=generator).to(device)
