@@ -190,12 +190,17 @@ def _run_ptq(args) -> int:
     import os
 
     from modelopt_ext.dist import RankFailure
+    from modelopt_ext.export.staging import Interrupted
     from modelopt_ext.ptq import PtqError, run_ptq
 
     if int(os.environ.get("RANK", "0")) > 0 and not args.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports
     try:
         summary = run_ptq(args)
+    except Interrupted as e:  # SIGTERM/SIGINT while the export was staged: staging removed on every rank
+        print(f"modelopt-ext ptq: error: export: {e}; the staging directory was removed and nothing was published",
+              file=sys.stderr)
+        return 128 + e.signum
     except (PtqError, RankFailure, ValueError, OSError) as e:
         logging.getLogger(__name__).debug("ptq failed", exc_info=True)
         message = " ".join(line.strip() for line in str(e).splitlines())

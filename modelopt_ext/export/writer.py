@@ -39,13 +39,15 @@ from modelopt_ext.export.layout import INDEX_NAME, _read_header
 from modelopt_ext.export.manifest import _write_manifest, file_digests
 from modelopt_ext.export.materialize import expert_offset, materialize, release
 from modelopt_ext.export.staging import (
-    ExportDirError,
-    check_export_dir,
     copy_source_files,
     discard,
+    drop_owner,
+    interrupts_raise,
     publish,
     staging_dir,
+    stale_dirs,
 )
+from modelopt_ext.export.target import ExportDirError, check_export_dir
 from modelopt_ext.families import FamilySpec, experts_module_glob, family_for_config, read_config
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class ExportResult:
     total_bytes: int  # tensor data bytes in the index
     bytes_written: tuple[int, ...]  # tensor data bytes each rank wrote
     seconds: float
+    warnings: tuple[str, ...] = ()  # publishing: what of a replaced export could not be removed
 
 
 def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None) -> ExportFiles:
@@ -230,6 +233,7 @@ def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[di
     (staging / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
     if write_extra is not None:
         write_extra(staging)
+    drop_owner(staging)
     _write_manifest(staging, file_digests(staging))
     return len(weight_map), total
 
@@ -272,27 +276,41 @@ def export_checkpoint(
 
     family, files, dtype, quant_config, source_dtypes = all_or_fail("export planning", plan)
     agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
-    staging = all_or_fail("export staging", lambda: staging_dir(export_dir) if rank == 0 else None)
-    staging = Path(gather_objects(str(staging) if staging else None)[0])
-    try:
-        exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank, world)
-        units = _units(model, files)
-        for i, unit in enumerate(units):
-            what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
-            all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
-            if progress is not None:
-                progress(i + 1, len(units))
-        maps = gather_objects(exporter.written)
-        written = tuple(gather_objects(exporter.bytes_written))
-        result = all_or_fail("export finalization", lambda: _finalize(
-            staging, source_dir, files, maps, quant_config, api, write_extra) if rank == 0 else None)
-        tensors, total = gather_objects(result)[0]
-        all_or_fail("export publishing", lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
-    except BaseException:
-        if rank == 0:
-            discard(staging)
-        raise
+    with interrupts_raise():  # SIGTERM/SIGINT while staged: every rank removes the staging dir, then leaves
+        staging = None
+        try:
+            staging = all_or_fail("export staging", lambda: _new_staging(export_dir, overwrite, rank))
+            staging = Path(gather_objects(str(staging) if staging else None)[0])
+            exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank,
+                                     world)
+            units = _units(model, files)
+            for i, unit in enumerate(units):
+                what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
+                all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
+                if progress is not None:
+                    progress(i + 1, len(units))
+            maps = gather_objects(exporter.written)
+            written = tuple(gather_objects(exporter.bytes_written))
+            result = all_or_fail("export finalization", lambda: _finalize(
+                staging, source_dir, files, maps, quant_config, api, write_extra) if rank == 0 else None)
+            tensors, total = gather_objects(result)[0]
+            warnings = all_or_fail("export publishing",
+                                   lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
+            warnings = tuple(gather_objects(warnings)[0])
+        except BaseException:
+            discard(staging)  # on every rank: the one that was interrupted may not be rank 0
+            raise
     seconds = time.perf_counter() - start
     logger.info("exported %d tensors (%s bytes) in %d files to %s in %.1f s", tensors, f"{total:,}", files.count,
                 export_dir, seconds)
-    return ExportResult(export_dir, files.count, tensors, total, written, seconds)
+    return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings)
+
+
+def _new_staging(export_dir: Path, overwrite: bool, rank: int) -> Path | None:
+    """On rank 0: with `overwrite`, remove what earlier runs of this export left (validate reported it); then
+    a new staging dir."""
+    if rank != 0:
+        return None
+    if overwrite:
+        stale_dirs(export_dir, overwrite=True, remove=True)
+    return staging_dir(export_dir)

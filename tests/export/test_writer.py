@@ -109,22 +109,26 @@ def test_failed_rank_leaves_no_export(source, tmp_path):
     out = tmp_path / "export"
     out.mkdir()
     (out / "keep.txt").write_text("previous export")
+    (out / "MANIFEST.sha256").write_text("")  # a finished export: --overwrite may replace it, once the new one is done
     with pytest.raises(RuntimeError) as e:
         run_ranks(BODY, 2, {"ckpt": str(source), "out": str(out), "recipe": FP8, "dense": "replicate",
                             "fail_on_rank": 1}, timeout_s=300)
     message = str(e.value)
     assert "failed during export of layer 1" in message and "rank 1: RuntimeError: injected export failure" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging directory left
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # the previous content is untouched
+    assert sorted(p.name for p in out.iterdir()) == ["MANIFEST.sha256", "keep.txt"]  # the previous export is untouched
 
 
 def test_check_export_dir(tmp_path):
-    assert check_export_dir(tmp_path / "new", overwrite=False) == (tmp_path / "new").absolute()
+    assert check_export_dir(tmp_path / "new", overwrite=False) == (tmp_path / "new").resolve()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(ExportDirError, match="is not empty; pass --overwrite"):
         check_export_dir(tmp_path / "full", overwrite=False)
-    assert check_export_dir(tmp_path / "full", overwrite=True)
+    with pytest.raises(ExportDirError, match="holds no finished modelopt-ext export"):  # not ours: never replaced
+        check_export_dir(tmp_path / "full", overwrite=True)
+    (tmp_path / "full" / "MANIFEST.sha256").write_text("")
+    assert check_export_dir(tmp_path / "full", overwrite=True) == (tmp_path / "full").resolve()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportDirError, match="not a directory"):
         check_export_dir(tmp_path / "file", overwrite=True)
