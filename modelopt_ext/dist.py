@@ -14,8 +14,9 @@ import datetime
 import gc
 import logging
 import os
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -153,3 +154,24 @@ def agree(what: str, value: Any) -> None:
             a, b = {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
         raise RankFailure(f"ranks disagree on {what}: rank 0 has {a!r}, rank {differing[0]} has {b!r} "
                           f"(differing ranks: {differing})")
+
+
+def agree_files(what: str, files: Mapping[str, str]) -> None:
+    """Check that every rank sees the same files (`files`: name -> fingerprint, e.g. size and header hash);
+    otherwise raise RankFailure on every rank naming the ranks, their hosts and the first differing file
+    (collective; nothing to check without a process group)."""
+    values = gather_objects((socket.gethostname(), dict(files)))
+    host0, reference = values[0]
+    differing = [r for r, (_, mine) in enumerate(values) if mine != reference]
+    if not differing:
+        return
+    r = differing[0]
+    host, mine = values[r]
+    names = [n for n in sorted(reference.keys() | mine.keys()) if reference.get(n) != mine.get(n)]
+    first = names[0]
+    hosts = sorted({values[d][0] for d in differing})
+    raise RankFailure(
+        f"ranks read different {what}: rank {r} (host {host}) differs from rank 0 (host {host0}) in "
+        f"{len(names)} file(s), first {first}: rank 0 has {reference.get(first, 'no such file')}, rank {r} has "
+        f"{mine.get(first, 'no such file')} (differing ranks {differing}, hosts {hosts}); every node must read the "
+        "same copy")

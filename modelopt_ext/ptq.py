@@ -30,7 +30,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +44,7 @@ import modelopt_ext
 from modelopt_ext.dist import (
     RankFailure,
     agree,
+    agree_files,
     all_or_fail,
     gather_objects,
     init_distributed,
@@ -58,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 PHASES = ("validate", "load", "calibrate", "export", "summary")
 POSITIVE = ("calib_size", "batch_size", "seq_len", "ep", "experts_per_file", "timeout")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: the bound on one collective wait must be a real bound
 
 
 class PtqError(RuntimeError):
@@ -77,7 +81,8 @@ class Inputs:
     recipe: recipes.Recipe
     tokenizer: Any
     texts: list[str]
-    export_dir: Path
+    export_dir: Path  # resolved (symlinks followed)
+    lock: Path  # the remote-code lock the code was checked against
 
 
 @dataclasses.dataclass
@@ -148,8 +153,15 @@ def check_sizes(args) -> None:
     """Every size and count argument is positive (None means unset)."""
     for name in POSITIVE:
         value = getattr(args, name, None)
+        option = f"--{name.replace('_', '-')}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{option} must be a finite number, got {value}")
         if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+            raise ValueError(f"{option} must be positive, got {value}")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and timeout > MAX_TIMEOUT_S:
+        raise ValueError(f"--timeout {timeout:g} s is more than a week ({MAX_TIMEOUT_S:g} s); it bounds every wait "
+                         "between ranks")
 
 
 def recipe_name(path: Path) -> str:
@@ -167,10 +179,16 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
 
     from modelopt_ext.checkpoint_files import check_checkpoint_files
     from modelopt_ext.export.files import check_experts_per_file
+    from modelopt_ext.export.staging import stale_dirs
+    from modelopt_ext.export.target import check_export_target, resolve_export_dir
     from modelopt_ext.families import family_for_config
     from modelopt_ext.lock import check_remote_code, load_lock
 
     check_sizes(args)
+    # the source and the run's inputs are never in the way of the export: first, before anything is read
+    export_dir = resolve_export_dir(args.export_dir)
+    check_export_target(export_dir, args.model, {"--dataset": args.dataset, "--summary-json": args.summary_json,
+                                                 "--remote-code-lock": getattr(args, "remote_code_lock", None)})
     if args.calib_size < world_size:
         raise ValueError(f"--calib-size {args.calib_size} is smaller than the {world_size} ranks")
     if args.dense is not None and ep_size is None:
@@ -180,8 +198,8 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     if family.router_glob is None or family.sizes is None:
         raise ValueError(f"family {family.name!r} has no router glob or sizes: expert coverage cannot be recorded")
     # the remote code runs at load: refuse code that differs from the family's lock now, naming the files
-    lock = getattr(args, "remote_code_lock", None)
-    check_remote_code(Path(args.model), load_lock(Path(lock) if lock else family.remote_code_lock))
+    lock = Path(args.remote_code_lock) if getattr(args, "remote_code_lock", None) else Path(family.remote_code_lock)
+    check_remote_code(Path(args.model), load_lock(lock))
     num_experts = int(family.sizes(config)["num_experts"])
     if ep_size is not None:
         what = f"--ep {ep_size}" if args.ep is not None else f"EP degree {ep_size} (the world size; --ep not given)"
@@ -211,8 +229,11 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     summary_dir = Path(args.summary_json).absolute().parent if args.summary_json else None
     if rank == 0 and summary_dir is not None and not (summary_dir.is_dir() and os.access(summary_dir, os.W_OK)):
         raise ValueError(f"--summary-json {args.summary_json}: {summary_dir} is not a writable directory")
-    export_dir = writer.check_export_dir(args.export_dir, args.overwrite)
-    return Inputs(family, num_experts, recipe, tokenizer, texts, Path(export_dir))
+    check_export_target(export_dir, args.model, {"--recipe": recipe.path, "the remote-code lock": lock})
+    export_dir = writer.check_export_dir(export_dir, args.overwrite)
+    if rank == 0:
+        stale_dirs(export_dir, overwrite=args.overwrite, remove=False)
+    return Inputs(family, num_experts, recipe, tokenizer, texts, export_dir, lock)
 
 
 def run_ptq(args) -> PtqSummary:
@@ -260,6 +281,8 @@ class _Run:
             inputs = all_or_fail(
                 "validate", lambda: validate(a, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)
             )
+            if self.distributed:
+                self._agree_on_inputs(inputs)
         # this rank's batches are tokenized while the model loads; leaving the block waits for the thread,
         # so a failed load leaves no thread behind (tokenizing is local work of seconds)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptq-tokenize") as pool:
@@ -280,6 +303,25 @@ class _Run:
                 except OSError as e:
                     raise PtqError("summary", f"cannot write --summary-json: {e}") from e
         return summary
+
+    def _agree_on_inputs(self, inputs: Inputs) -> None:
+        """Every rank reads the same checkpoint, lock, recipe and dataset bytes (node-local copies may differ),
+        and writes into one export dir (a file rank 0 writes beside it is seen by every rank)."""
+        from modelopt_ext.export import target
+        from modelopt_ext.fingerprint import input_fingerprint
+
+        a = self.args
+        others = {"the remote-code lock": inputs.lock, "--recipe": inputs.recipe.path, "--dataset": a.dataset}
+        fingerprint = all_or_fail("validate", lambda: input_fingerprint(a.model, others))
+        agree_files("checkpoints or inputs", fingerprint)
+        probe = all_or_fail("validate", lambda: target.write_probe(inputs.export_dir) if self.rank == 0 else None)
+        name, token = gather_objects(probe)[0]
+        try:
+            all_or_fail("validate", lambda: target.check_probe(inputs.export_dir, name, token, self.rank,
+                                                               socket.gethostname()))
+        finally:
+            if self.rank == 0:
+                target.remove_probe(inputs.export_dir, name)
 
     def _join(self) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 or self.args.ep is not None or dist.is_initialized():

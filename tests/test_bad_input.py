@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from modelopt_ext.families import families
 from modelopt_ext.lock import sha256_file
 from modelopt_ext.quant import recipes
 from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.nodes import launch_nodes, node_env
 
 FAST = "--experts-implementation batched_mm --dtype float32 --calib-size 8 --batch-size 2 --seq-len 16".split()
 ONE_BATCH = "--experts-implementation batched_mm --dtype float32 --calib-size 2 --batch-size 2 --seq-len 16".split()
@@ -188,6 +187,102 @@ def test_non_empty_export_dir_without_overwrite(ckpt, tmp_path, loads, capsys):
     assert [p.name for p in out.iterdir()] == ["earlier.safetensors"]
 
 
+def _listing(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "its parent", "inside it", "'' in it", "a link to it"])
+def test_an_export_dir_on_the_source_is_refused_even_with_overwrite(tiny_ckpt, tmp_path, loads, capsys, monkeypatch,
+                                                                    where):
+    """--overwrite used to move the source aside and delete it (rc 0): now refused in validate, naming both."""
+    model = copy_checkpoint(tiny_ckpt, tmp_path / "models", "source")
+    before = _listing(model)
+    export = {"the checkpoint": str(model), "its parent": str(model.parent), "inside it": str(model / "nvfp4"),
+              "'' in it": "", "a link to it": str(tmp_path / "link")}[where]
+    if where == "a link to it":
+        (tmp_path / "link").symlink_to(model)
+    monkeypatch.chdir(model)
+    rc, err = _ptq(capsys, model, export, "--overwrite")
+    assert rc == 1 and loads == [], err
+    if where == "'' in it":
+        assert err.startswith(f"{PREFIX}validate: export dir '' is empty (an unset shell variable?)"), err
+    else:
+        real = Path(export).resolve()
+        assert err.startswith(f"{PREFIX}validate: --export-dir {real} and --model {model.resolve()}: the export dir "), err
+    assert _listing(model) == before
+
+
+def test_a_checkpoint_that_looks_like_an_export_is_still_refused(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path / "models", "source")
+    (model / "MANIFEST.sha256").write_text("")  # e.g. a checkpoint that is itself an earlier export
+    rc, err = _ptq(capsys, model, model.parent, "--overwrite")
+    assert rc == 1 and loads == []
+    assert err == (f"{PREFIX}validate: --export-dir {model.parent.resolve()} and --model {model.resolve()}: the export "
+                   "dir contains the checkpoint, which replacing it would delete"), err
+
+
+def test_overwrite_refuses_a_folder_that_holds_no_export(ckpt, tmp_path, loads, capsys):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("not an export")
+    rc, err = _ptq(capsys, ckpt, out, "--overwrite")
+    assert rc == 1 and loads == [] and "holds no finished modelopt-ext export (no MANIFEST.sha256)" in err, err
+    assert (out / "notes.txt").read_text() == "not an export"
+
+
+def test_inputs_inside_the_export_dir_are_refused(ckpt, tmp_path, loads, capsys):
+    out = tmp_path / "out"
+    err = _refused_in_validate(capsys, loads, ckpt, out, "--summary-json", str(out / "summary.json"))
+    assert err == (f"{PREFIX}validate: --summary-json {out / 'summary.json'} lies inside the export dir {out}, which "
+                   "the export replaces: keep it outside"), err
+    out.mkdir()
+    (out / "MANIFEST.sha256").write_text("")
+    data = out / "calib.txt"
+    data.write_text("some calibration text\n" * 20)
+    rc, err = _ptq(capsys, ckpt, out, "--overwrite", "--dataset", str(data))
+    assert rc == 1 and loads == [] and err == (f"{PREFIX}validate: --dataset {data} lies inside the export dir {out}, "
+                                               "which the export replaces: keep it outside"), err
+    assert data.exists()
+
+
+def test_summary_json_inside_the_checkpoint_is_refused(ckpt, tmp_path, loads, capsys):
+    err = _refused_in_validate(capsys, loads, ckpt, tmp_path / "out", "--summary-json", str(ckpt / "s.json"))
+    assert err == (f"{PREFIX}validate: --summary-json {ckpt.resolve() / 's.json'} lies inside the checkpoint "
+                   f"{ckpt.resolve()}; the source is never written"), err
+
+
+def test_an_export_dir_name_too_long_for_its_staging_dir(ckpt, tmp_path, loads, capsys):
+    out = tmp_path / ("x" * 240)
+    err = _refused_in_validate(capsys, loads, ckpt, out)
+    assert f"export dir name {out.name!r} is 240 bytes; the staging directory beside it" in err, err
+    assert "more than the 255 bytes a file name may have" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e9"])
+def test_timeout_must_be_finite_and_bounded(ckpt, tmp_path, loads, capsys, value):
+    err = _refused_in_validate(capsys, loads, ckpt, tmp_path / "out", f"--timeout={value}")
+    expected = ("--timeout 1e+09 s is more than a week" if value == "1e9"
+                else f"--timeout must be a finite number, got {float(value)}")
+    assert err.startswith(f"{PREFIX}validate: {expected}"), err
+
+
+def test_a_symlinked_export_dir_is_followed_and_replaced_in_place(ckpt, tmp_path, capsys):
+    """The export dir is a link to an earlier export: the new export replaces the link's target (the link stays),
+    and the run succeeds with nothing left beside it (this used to fail after publishing: rmtree on a link)."""
+    target = tmp_path / "exports" / "v1"
+    target.mkdir(parents=True)
+    (target / "old.safetensors").write_bytes(b"old")
+    (target / "MANIFEST.sha256").write_text("")
+    link = tmp_path / "current"
+    link.symlink_to(target)
+    rc, err = _ptq(capsys, ckpt, link, "--overwrite")
+    assert rc == 0, err
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    names = sorted(p.name for p in target.iterdir())
+    assert "old.safetensors" not in names and "MANIFEST.sha256" in names and "config.json" in names
+    assert sorted(p.name for p in target.parent.iterdir()) == ["v1"]  # no staging nor replaced dir left
+
+
 def test_empty_dataset(ckpt, tmp_path, loads, capsys):
     data = tmp_path / "calib.jsonl"
     data.write_text("")
@@ -214,26 +309,19 @@ def test_dataset_not_utf8(ckpt, tmp_path, loads, capsys):
 # ------------------------------------------------------------------------------------------- EP degree
 
 
-def _torchrun(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "modelopt_ext", *argv]
-    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-
-
 def test_invalid_ep_degree(ckpt, tmp_path):
-    """--ep 3 on 2 ranks: 3 divides neither the ranks nor the 16 experts; refused on both ranks in validate."""
+    """--ep 3 on 2 ranks: 3 divides neither the ranks nor the 16 experts; refused on both ranks in validate (one
+    torchrun agent per rank, so each rank's exit status and error line are checked, within a bound)."""
     out = tmp_path / "out"
-    proc = _torchrun(tmp_path, "ptq", "--model", str(ckpt), "--export-dir", str(out), "--no-progress", *FAST,
-                     "--ep", "3", "--timeout", "60")
-    errors = [line for line in proc.stderr.splitlines() if line.startswith(PREFIX)]
-    # torchrun stops the other rank once one exits, so it may not get to print its error
-    assert proc.returncode != 0 and errors, proc.stderr[-3000:]
+    argv = ["ptq", "--model", str(ckpt), "--export-dir", str(out), "--no-progress", *FAST, "--ep", "3",
+            "--timeout", "60"]
+    runs = launch_nodes(argv, [tmp_path, tmp_path], env=node_env(tmp_path), timeout_s=240)
     expected = ("validate: 2 rank(s) failed during validate; rank 0: ValueError: --ep 3 with 2 rank(s): it does not "
                 "divide the 2 ranks; it does not divide the 16 routed experts of a layer")
-    assert all(line.startswith(PREFIX + expected) for line in errors), errors
+    for run in runs:
+        errors = run.error_lines(PREFIX)
+        assert not run.timed_out and run.returncode == 1 and run.seconds < 180, (run.node, run.stderr[-3000:])
+        assert errors and errors[-1].startswith(PREFIX + expected), (run.node, errors)
     assert not out.exists()
 
 

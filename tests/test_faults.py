@@ -1,10 +1,13 @@
 """Fault injection on real gloo ranks under torchrun: a rank raises (load, calibration, export), is killed
 with SIGKILL, or stalls. Every rank exits non-zero within a bound, the output names the failed rank and the
-phase, no export (nor a staging directory) is left, and the same command then succeeds."""
+phase, no export (nor a staging directory) is left, and the same command then succeeds.
+
+The failure tests run one torchrun agent per rank (`testing.nodes`, `--nnodes 2`), so each rank's exit status
+and output are its own: a rank that hung until the bound, or that exited without the phase's error, fails the
+test (one torchrun for both ranks stops the second once the first exits, hiding how it would have ended)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.nodes import launch_nodes, node_env
 
 FAST = "--experts-implementation batched_mm --dtype float32 --calib-size 8 --batch-size 2 --seq-len 16".split()
 TIMEOUT_S = 20  # --timeout: the bound on every collective wait
@@ -25,9 +29,7 @@ def model(tiny_ckpt, tmp_path_factory) -> Path:
 
 
 def _run(tmp_path: Path, model: Path, fault: tuple[str, str, str] | None):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), OMP_NUM_THREADS="1")
+    env = node_env(tmp_path)  # this checkout first on PYTHONPATH, offline, no torchrun variables
     argv = ["ptq", "--model", str(model), "--export-dir", str(tmp_path / "export"), "--timeout", str(TIMEOUT_S),
             "--no-progress", *FAST]
     target = ["-m", "modelopt_ext.testing.inject", *fault, "--"] if fault else ["-m", "modelopt_ext"]
@@ -42,20 +44,31 @@ def _assert_no_export(tmp_path: Path) -> None:
     assert "export" not in left and not [n for n in left if n.startswith(".export.")], left
 
 
+def _run_nodes(tmp_path: Path, model: Path, fault: tuple[str, str, str]):
+    argv = ["ptq", "--model", str(model), "--export-dir", str(tmp_path / "export"), "--timeout", str(TIMEOUT_S),
+            "--no-progress", *FAST]
+    target = ["-m", "modelopt_ext.testing.inject", *fault, "--"]
+    return launch_nodes(argv, [tmp_path, tmp_path], env=node_env(tmp_path), timeout_s=BOUND_S + 60, target=target)
+
+
 @pytest.mark.parametrize("kind, phase", [("raise", "load"), ("raise", "calibrate"), ("raise", "export"),
                                          ("stall", "calibrate")])
 def test_a_failing_rank_fails_every_rank(model, tmp_path, kind, phase):
-    proc, elapsed = _run(tmp_path, model, (kind, phase, "1"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert elapsed < BOUND_S, f"took {elapsed:.0f} s"
-    errors = [line for line in out.splitlines() if "modelopt-ext ptq: error:" in line or "stopping: rank" in line]
-    assert errors, out[-4000:]
-    if kind == "raise":
-        assert any("rank 1" in e and f"injected failure during {phase}" in e for e in errors), errors
-    else:  # the stalled rank is the one whose position is oldest: it leads the positions
-        assert any("positions: rank 1 at 'calibrate batch 2/2'" in e for e in errors), errors
-        assert any("rank 0 at 'calibrate batch 2/2, expert exchange" in e for e in errors), errors
+    runs = _run_nodes(tmp_path, model, (kind, phase, "1"))
+    for run in runs:
+        assert not run.timed_out and run.returncode == 1, (run.node, run.returncode, run.stderr[-3000:])
+        assert run.seconds < BOUND_S, f"rank {run.node} took {run.seconds:.0f} s"
+    if kind == "raise":  # both ranks: the same phase error naming rank 1 and its exception
+        for run in runs:
+            errors = run.error_lines("modelopt-ext ptq: error: ")
+            assert errors and errors[-1].startswith(f"modelopt-ext ptq: error: {phase}: 1 rank(s) failed during "), \
+                (run.node, errors, run.stderr[-3000:])
+            assert f"rank 1: RuntimeError: injected failure during {phase}" in errors[-1], errors
+    else:  # rank 0 names the stalled rank first (its position is oldest); the stalled rank is stopped by its watch
+        errors = runs[0].error_lines("modelopt-ext ptq: error: calibrate: ")
+        assert errors and "positions: rank 1 at 'calibrate batch 2/2'" in errors[-1], runs[0].stderr[-3000:]
+        assert "rank 0 at 'calibrate batch 2/2, expert exchange" in errors[-1], errors
+        assert "rank 1: stopping: rank 0 failed during calibrate" in runs[1].stderr, runs[1].stderr[-3000:]
     _assert_no_export(tmp_path)
 
 

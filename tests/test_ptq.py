@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from modelopt_ext.dist import DEFAULT_TIMEOUT_S
 from modelopt_ext.export import writer
 from modelopt_ext.quant.calibrate import POLICIES
 from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.nodes import node_env
 
 FAST = "--experts-implementation batched_mm --dtype float32 --calib-size 8 --batch-size 2 --seq-len 16".split()
 
@@ -55,9 +55,7 @@ def _parse(*argv: str):
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), OMP_NUM_THREADS="1")
+    env = node_env(tmp_path)  # this checkout first on PYTHONPATH, offline, no torchrun variables
     return env
 
 
