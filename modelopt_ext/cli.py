@@ -195,6 +195,11 @@ def _run_ptq(args) -> int:
 
     if int(os.environ.get("RANK", "0")) > 0 and not args.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports
+    def report_error(text: str) -> None:
+        print(f"modelopt-ext ptq: error: {' '.join(line.strip() for line in text.splitlines())}", file=sys.stderr,
+              flush=True)
+
+    args.report_error = report_error  # also for a rank that the failure watch stops (ranks skip callables)
     try:
         summary = run_ptq(args)
     except Interrupted as e:  # SIGTERM/SIGINT while the export was staged: staging removed on every rank

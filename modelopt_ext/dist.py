@@ -110,14 +110,18 @@ def all_or_fail(step: str, fn: Callable[[], T]) -> T:
     except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
         error, exc = f"{type(e).__name__}: {e}", e
         if _is_comm_error(e):  # a consequence of another rank's fault, not a failure of this rank's step
-            raise RankFailure(f"lost contact with other ranks during {step} ({error}); positions: {positions()}") from e
+            message = f"lost contact with other ranks during {step} ({error}); positions: {positions()}"
+            record_failure(step, f"lost contact with other ranks ({error})")  # stops a stalled peer's watch
+            raise RankFailure(message) from e
         record_failure(step, error)
     errors: list[Any] = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(errors, error)
     except Exception as e:  # noqa: BLE001
-        raise RankFailure(f"lost contact with other ranks after {step} ({type(e).__name__}: {e}); "
-                          f"positions: {positions()}") from (exc or e)
+        message = f"lost contact with other ranks after {step} ({type(e).__name__}: {e}); positions: {positions()}"
+        if error is None:
+            record_failure(step, f"lost contact with other ranks ({type(e).__name__}: {e})")
+        raise RankFailure(message) from (exc or e)
     failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed:
         first = min(failed)

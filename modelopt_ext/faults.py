@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -124,10 +125,14 @@ def positions() -> str:
 
 
 class FailureWatch:
-    """While active, stop this rank `grace_s` after another rank recorded a failure (see the module doc)."""
+    """While active, stop this rank `grace_s` after another rank recorded a failure, or once the store has been
+    unreachable for `STORE_LOST_POLLS` polls in a row (see the module doc)."""
 
-    def __init__(self, grace_s: float = 15.0, poll_s: float = 1.0):
-        self.grace_s, self.poll_s = grace_s, poll_s
+    STORE_LOST_POLLS = 5
+
+    def __init__(self, grace_s: float = 15.0, poll_s: float = 1.0, on_stop: Callable[[str], None] | None = None):
+        """`on_stop(message)` is called just before the process exits (e.g. to print the command's error line)."""
+        self.grace_s, self.poll_s, self.on_stop = grace_s, poll_s, on_stop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -144,13 +149,20 @@ class FailureWatch:
         return False
 
     def _run(self) -> None:
-        me, store = dist.get_rank(), _store()
+        me, store, unreachable = dist.get_rank(), _store(), 0
         while not self._stop.wait(self.poll_s):
             try:
-                if store.add(_FAILED_COUNT, 0) == 0:
-                    continue
-            except Exception:  # noqa: BLE001 - the store is gone: the collectives will fail on their own
-                return
+                count = store.add(_FAILED_COUNT, 0)
+                unreachable = 0
+            except Exception as e:  # noqa: BLE001 - its host (rank 0's node, its launcher) is gone
+                unreachable += 1
+                if unreachable >= self.STORE_LOST_POLLS:  # a rank stalled outside collectives would never notice
+                    self._stop_process(me, f"the process group's store has been unreachable for {unreachable} "
+                                           f"polls ({type(e).__name__}: {e}): rank 0's node or its launcher is "
+                                           f"gone; rank {me} stops")
+                continue
+            if count == 0:
+                continue
             others = {r: f for r, f in failures().items() if r != me}
             if not others:
                 continue
@@ -158,9 +170,16 @@ class FailureWatch:
                 return  # the orderly path finished (or this rank is failing itself)
             first = min(others)
             step, error = others[first]
-            logger.critical("rank %d: stopping: rank %d failed during %s (%s); this rank did not reach the "
-                            "agreement within %.0f s. Positions: %s", me, first, step, error, self.grace_s,
-                            positions())
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(EXIT_STATUS)
+            self._stop_process(me, f"rank {first} failed during {step} ({error}); rank {me} did not reach the "
+                                   f"agreement within {self.grace_s:.0f} s and stops. Positions: {positions()}")
+
+    def _stop_process(self, me: int, message: str) -> None:
+        logger.critical("rank %d: stopping: %s", me, message)
+        if self.on_stop is not None:
+            try:
+                self.on_stop(message)
+            except Exception:  # noqa: BLE001 - the exit below must happen
+                logger.debug("on_stop failed", exc_info=True)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_STATUS)

@@ -2,11 +2,14 @@
 (`dist.agree_files`): multi-node runs read node-local copies of the checkpoint, and a stale copy on one node
 would otherwise be mixed into the export.
 
-Per top-level file of the checkpoint: for shards their size, a hash of their header and a hash of a few
-samples of their tensor data (a stale copy of the same shapes has the same header; reading `SAMPLES` x
-`SAMPLE_BYTES` per shard costs a few seeks, not the data); for every other file (config, index, remote
-code, tokenizer) its sha256. Plus the sha256 of the other inputs (the remote-code lock, the recipe, the
-dataset).
+Per file a run reads from the checkpoint (`checkpoint_files.checkpoint_fingerprint`: shards by size and
+header hash, every other file (config, index, remote code, tokenizer) by its sha256), with, for each shard,
+a hash of a few samples of its tensor data added (a stale copy of the same shapes has the same header;
+reading `SAMPLES` x `SAMPLE_BYTES` per shard costs a few seeks, not the data). Plus the sha256 of the other
+inputs (the remote-code lock, the recipe, the dataset).
+
+A copy that differs only in bytes outside the samples (one tensor edited in place) is not detected: hashing
+all the data would read the whole checkpoint on every node (1.56 TB for Kimi-K3).
 """
 
 from __future__ import annotations
@@ -38,37 +41,20 @@ def data_samples(shard: Path, samples: int = SAMPLES, sample_bytes: int = SAMPLE
     return digest.hexdigest()[:32]
 
 
-def _sha256(path: Path) -> str:
+def input_fingerprint(model_dir: str | os.PathLike, others: Mapping[str, str | os.PathLike | None]) -> dict[str, str]:
+    """{"--model DIR/FILE": ..., "OPTION PATH": "sha256:..."} for the checkpoint's files
+    (`checkpoint_files.checkpoint_fingerprint`, shards with their `data_samples` added) and `others` (option ->
+    path)."""
+    from modelopt_ext.checkpoint_files import checkpoint_fingerprint
     from modelopt_ext.lock import sha256_file
 
-    return sha256_file(path)
-
-
-def checkpoint_files_read(model_dir: Path) -> list[str]:
-    """The checkpoint's files a run reads: every top-level file but hidden ones (config, index, shards, remote
-    code, tokenizer, generation config)."""
-    return sorted(p.name for p in model_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-
-
-def shard_fingerprint(shard: Path) -> str:
-    """"size:N header:H data:D" of a safetensors file, reading its header and `data_samples` only."""
-    with shard.open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        length = int.from_bytes(f.read(8), "little")
-        header = f.read(min(length, max(0, size - 8)))
-    return f"size:{size} header:{hashlib.sha256(header).hexdigest()[:32]} data:{data_samples(shard)}"
-
-
-def input_fingerprint(model_dir: str | os.PathLike, others: Mapping[str, str | os.PathLike | None]) -> dict[str, str]:
-    """{"--model DIR/FILE": ..., "OPTION PATH": "sha256:..."} for the checkpoint's files and `others` (option ->
-    path): shards by `shard_fingerprint`, every other file by its sha256."""
     model_dir = Path(model_dir)
     files = {}
-    for name in checkpoint_files_read(model_dir):
-        path = model_dir / name
-        value = shard_fingerprint(path) if name.endswith(".safetensors") else f"sha256:{_sha256(path)[:32]}"
+    for name, value in checkpoint_fingerprint(model_dir).items():
+        if name.endswith(".safetensors"):
+            value = f"{value} data:{data_samples(model_dir / name)}"
         files[f"--model {model_dir}/{name}"] = value
     for option, path in others.items():
         if path is not None:
-            files[f"{option} {path}"] = f"sha256:{_sha256(Path(path))[:32]}"
+            files[f"{option} {path}"] = f"sha256:{sha256_file(Path(path))}"
     return files

@@ -177,7 +177,7 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     """Check everything that can be checked before loading; raises ValueError/OSError naming the problem."""
     from transformers import AutoTokenizer
 
-    from modelopt_ext.checkpoint_files import check_checkpoint_files
+    from modelopt_ext.checkpoint_files import check_checkpoint_files, check_tokenizer_files
     from modelopt_ext.export.files import check_experts_per_file
     from modelopt_ext.export.staging import stale_dirs
     from modelopt_ext.export.target import check_export_target, resolve_export_dir
@@ -224,6 +224,7 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     recipe = recipes.load(source, overrides=args.set or ())
     # trust_remote_code=False: the tokenizer is not remote code, and None makes transformers ask on the
     # terminal (for up to 15 s) whether to run the checkpoint's configuration code
+    check_tokenizer_files(args.model)  # names a missing or garbled file; transformers would guess or fail late
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     texts = load_texts(args.dataset, tokenizer)
     summary_dir = Path(args.summary_json).absolute().parent if args.summary_json else None
@@ -254,10 +255,12 @@ class _Run:
         self.rank, self.world_size, self.ep_size = 0, 1, None
         self.distributed = self.owns_group = False
         self.seconds: dict[str, float] = {}
+        self.current = "validate"  # the phase running now
         self.watch = contextlib.ExitStack()  # the FailureWatch, once in a process group
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        self.current = name
         start = time.monotonic()
         try:
             yield
@@ -276,7 +279,9 @@ class _Run:
             check_sizes(a)
             self._join()
             if self.distributed:
-                self.watch.enter_context(FailureWatch(grace_s=min(15.0, float(a.timeout))))
+                report = getattr(a, "report_error", None)  # the CLI's error line, for a rank the watch stops
+                on_stop = (lambda message: report(f"{self.current}: {message}")) if report else None
+                self.watch.enter_context(FailureWatch(grace_s=min(15.0, float(a.timeout)), on_stop=on_stop))
             agree("the ptq arguments", {k: v for k, v in sorted(vars(a).items()) if not callable(v)})
             inputs = all_or_fail(
                 "validate", lambda: validate(a, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)

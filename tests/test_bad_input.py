@@ -101,6 +101,38 @@ def test_index_names_a_tensor_absent_from_its_shard(tiny_ckpt, tmp_path, loads, 
                    "(shard model-00001-of-00003.safetensors) but missing from every shard")
 
 
+def test_junk_appended_to_a_shard(tiny_ckpt, tmp_path, loads, capsys):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "junk_shard")
+    with (model / "model-00002-of-00003.safetensors").open("ab") as f:
+        f.write(b"\0" * 4096)
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert "model-00002-of-00003.safetensors: 4096 bytes after the last tensor's data" in err, err
+
+
+def test_config_sizes_that_contradict_the_shard_headers(tiny_ckpt, tmp_path, loads, capsys):
+    """num_experts 20 where the headers hold 16 experts: refused in validate, not a transformers error in load."""
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "wrong_num_experts")
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["num_experts"] = 20
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert "config.json: text_config.num_experts is 20, but the shard headers hold 16 routed experts (ids 0..15)" in err
+
+
+@pytest.mark.parametrize("damage", ["missing tokenizer_config.json", "truncated tokenizer.json"])
+def test_tokenizer_files_are_named(tiny_ckpt, tmp_path, loads, capsys, damage):
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "tokenizer_" + damage.split()[0])
+    if damage.startswith("missing"):
+        (model / "tokenizer_config.json").unlink()
+        expected = "tokenizer_config.json is missing: the tokenizer's class, special tokens and chat template"
+    else:
+        text = (model / "tokenizer.json").read_text()
+        (model / "tokenizer.json").write_text(text[: len(text) // 2])
+        expected = "tokenizer.json is not valid JSON ("
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert expected in err, err
+
+
 def test_modified_remote_code(tiny_ckpt, tmp_path, loads, capsys):
     model = copy_checkpoint(tiny_ckpt, tmp_path, "edited_remote_code")
     code = model / "modeling_kimi_linear.py"

@@ -58,17 +58,17 @@ def test_a_failing_rank_fails_every_rank(model, tmp_path, kind, phase):
     for run in runs:
         assert not run.timed_out and run.returncode == 1, (run.node, run.returncode, run.stderr[-3000:])
         assert run.seconds < BOUND_S, f"rank {run.node} took {run.seconds:.0f} s"
-    if kind == "raise":  # both ranks: the same phase error naming rank 1 and its exception
-        for run in runs:
-            errors = run.error_lines("modelopt-ext ptq: error: ")
-            assert errors and errors[-1].startswith(f"modelopt-ext ptq: error: {phase}: 1 rank(s) failed during "), \
-                (run.node, errors, run.stderr[-3000:])
-            assert f"rank 1: RuntimeError: injected failure during {phase}" in errors[-1], errors
+    errors = [run.error_lines(f"modelopt-ext ptq: error: {phase}: ") for run in runs]
+    for run, lines in zip(runs, errors):  # every rank: the phase's error line, its own (not torchrun's)
+        assert lines, (run.node, run.stderr[-3000:])
+    if kind == "raise":  # every rank names rank 1's exception (a rank stopped by its watch: through on_stop)
+        assert all(f"injected failure during {phase}" in lines[-1] for lines in errors), errors
     else:  # rank 0 names the stalled rank first (its position is oldest); the stalled rank is stopped by its watch
-        errors = runs[0].error_lines("modelopt-ext ptq: error: calibrate: ")
-        assert errors and "positions: rank 1 at 'calibrate batch 2/2'" in errors[-1], runs[0].stderr[-3000:]
-        assert "rank 0 at 'calibrate batch 2/2, expert exchange" in errors[-1], errors
-        assert "rank 1: stopping: rank 0 failed during calibrate" in runs[1].stderr, runs[1].stderr[-3000:]
+        assert "positions: rank 1 at 'calibrate batch 2/2'" in errors[0][-1], errors[0]
+        assert "rank 0 at 'calibrate batch 2/2, expert exchange" in errors[0][-1], errors[0]
+        # rank 0 recorded its lost contact; the stalled rank's watch reads it, or finds the store gone with rank 0
+        assert ("rank 0 failed during calibrate (lost contact" in errors[1][-1]
+                or "the process group's store has been unreachable" in errors[1][-1]), errors[1]
     _assert_no_export(tmp_path)
 
 

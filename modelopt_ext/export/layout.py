@@ -18,23 +18,47 @@ _DTYPE_BYTES = {
 }
 
 
-def _read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
-    """Header entries of one safetensors file; offsets checked against the file size."""
-    size = path.stat().st_size
+def _header_json(path: Path, size: int, problems: list[str]) -> tuple[int, object] | None:
+    """(header length, parsed header JSON) of one safetensors file, or None with the problem recorded."""
     with path.open("rb") as f:
         head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or n > min(size - 8, MAX_HEADER_BYTES):
-            problems.append(f"{path.name}: not a safetensors file (header length {n}, file size {size})")
+        if len(head) < 8:
+            problems.append(f"{path.name}: not a safetensors file (file size {size}: shorter than the 8-byte "
+                            "header length field)")
+            return None
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            limit = "past the end of the file" if n > size - 8 else f"over the {MAX_HEADER_BYTES}-byte limit"
+            problems.append(f"{path.name}: not a safetensors file (header length {n}, file size {size}): "
+                            f"the header would end {limit}")
+            return None
+        if n < 2:
+            problems.append(f"{path.name}: header length {n} is too short for a JSON header (at least 2 bytes, '{{}}')")
             return None
         raw = f.read(n)
     duplicates: list[str] = []
     try:
         header = json.loads(raw, object_pairs_hook=_pairs_hook(duplicates))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        problems.append(f"{path.name}: unreadable safetensors header ({e})")
+        if isinstance(e, json.JSONDecodeError) and (e.pos >= len(e.doc.rstrip()) or e.msg.startswith("Unterminated")):
+            problems.append(f"{path.name}: header length {n} is too short: the JSON header is cut off after "
+                            f"{n} bytes ({e})")
+        else:
+            problems.append(f"{path.name}: unreadable safetensors header ({e})")
         return None
     problems.extend(f"{path.name}: tensor {key} is named twice in the header" for key in duplicates)
+    return n, header
+
+
+def _read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
+    """Header entries of one safetensors file; offsets checked against the file size, and the tensors' data
+    checked to fill the data section exactly (back to back from byte 0, nothing after the last one), as
+    safetensors itself requires."""
+    size = path.stat().st_size
+    parsed = _header_json(path, size, problems)
+    if parsed is None:
+        return None
+    n, header = parsed
     if not isinstance(header, dict):
         problems.append(f"{path.name}: safetensors header is not a JSON object")
         return None
@@ -60,11 +84,26 @@ def _read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
             continue
         spans.append((begin, end, key))
         entries[key] = _Entry(key, path.name, dtype, shape, nbytes)
-    spans.sort()
+    if len(entries) == len(header):  # with a bad entry the spans are incomplete: gaps would be spurious
+        _check_spans(path.name, sorted(spans), data_len, problems)
+    return entries
+
+
+def _check_spans(name: str, spans: list[tuple[int, int, str]], data_len: int, problems: list[str]) -> None:
+    """Sorted (begin, end, key) data spans: no overlap, no gap, nothing before the first or after the last."""
+    if spans and spans[0][0] > 0:
+        problems.append(f"{name}: {spans[0][0]} bytes before the first tensor's data ({spans[0][2]} starts at "
+                        f"byte {spans[0][0]} of the data section; safetensors needs it at 0)")
     for (_, end0, key0), (begin1, _, key1) in zip(spans, spans[1:]):
         if begin1 < end0:
-            problems.append(f"{path.name}: tensors {key0} and {key1} overlap in the data section")
-    return entries
+            problems.append(f"{name}: tensors {key0} and {key1} overlap in the data section")
+        elif begin1 > end0:
+            problems.append(f"{name}: {begin1 - end0} bytes unused between tensors {key0} (ends at byte {end0}) "
+                            f"and {key1} (starts at byte {begin1}) of the data section")
+    held = max((end for _, end, _ in spans), default=0)
+    if data_len > held:
+        problems.append(f"{name}: {data_len - held} bytes after the last tensor's data (data section holds "
+                        f"{held} bytes, the file has {data_len} after the header)")
 
 
 MISSING_SHARD_KEYS_SHOWN = 3

@@ -73,14 +73,19 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
-def check_scales(scale: torch.Tensor) -> None:
-    """Refuse the E8M0 NaN byte 255 (one host sync: do it once per tensor, not per GEMM)."""
-    _require_uint8("scale", scale)
+def check_scales(scale: torch.Tensor, name: str | None = None) -> None:
+    """Refuse the E8M0 NaN byte 255 (one host sync: do it once per tensor, not per GEMM).
+
+    Args:
+        scale: uint8 ``[...]`` E8M0 bytes.
+        name: what the message calls the tensor (its checkpoint key and file, say); "scale" if None.
+    """
+    _require_uint8(name or "scale", scale)
     bad = scale == 255
     if bool(bad.any()):
         first = tuple(torch.nonzero(bad)[0].tolist())
         raise ValueError(
-            f"scale contains {int(bad.sum())} byte(s) equal to 255 (E8M0 NaN, reserved), "
+            f"{name + ': ' if name else ''}scale contains {int(bad.sum())} byte(s) equal to 255 (E8M0 NaN, reserved), "
             f"first at index {first}; expected bytes in 0..254"
         )
 

@@ -265,6 +265,22 @@ def test_validation_errors(call, exc, needles):
         assert needle in str(info.value), (needle, str(info.value))
 
 
+def test_check_scales_names_the_tensor():
+    key = "model.layers.1.mlp.experts.3.w2.weight_scale"
+    scale = torch.full((4, 3), 127, dtype=U8)
+    mxfp4.check_scales(scale, name=f"tensor {key} in model-00001-of-00002.safetensors")  # no 255: accepted
+    scale[2, 1] = scale[3, 0] = 255
+    with pytest.raises(ValueError) as info:
+        mxfp4.check_scales(scale, name=f"tensor {key} in model-00001-of-00002.safetensors")
+    assert str(info.value) == (f"tensor {key} in model-00001-of-00002.safetensors: scale contains 2 byte(s) equal "
+                               "to 255 (E8M0 NaN, reserved), first at index (2, 1); expected bytes in 0..254")
+    with pytest.raises(ValueError) as info:
+        mxfp4.check_scales(scale)
+    assert str(info.value).startswith("scale contains 2 byte(s) equal to 255")
+    with pytest.raises(TypeError, match=f"^tensor {key} must have dtype torch.uint8"):
+        mxfp4.check_scales(scale.float(), name=f"tensor {key}")
+
+
 def test_dequantize_overflow_logs_warning(caplog):
     packed = _all_codes_group_packed(1)
     with caplog.at_level("WARNING", logger=mxfp4.__name__):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import sys
 import threading
@@ -17,11 +18,13 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from modelopt_ext.ep.backend import capture_ep_forwards
 from modelopt_ext.ep.sharding import count_checkpoint_reads, localize_replicated_params
 from modelopt_ext.families import read_config
+from modelopt_ext.formats.mxfp4 import check_scales
 from modelopt_ext.lock import check_remote_code, load_lock
 from modelopt_ext.versions import check_min_versions
 from modelopt_ext.warmup import Warmup
@@ -188,6 +191,50 @@ def _start_warmup(prepared: Prepared, config, tokens: tuple[int, int], device: t
     return Warmup(model, ids).start()
 
 
+# fused parameter -> the checkpoint's per-expert tensors stacked in its rows (w1 rows first, then w3: convert.py)
+_SCALE_SOURCES = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+
+
+def _expert_offset(param: torch.Tensor) -> int:
+    """Global id of the first expert this rank holds of a (possibly EP-sharded, DTensor) expert parameter."""
+    if not isinstance(param, DTensor):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return int(compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0])
+
+
+def _shard_of(path: Path, key: str) -> str:
+    index = path / "model.safetensors.index.json"
+    try:
+        return json.loads(index.read_text())["weight_map"][key] if index.is_file() else "model.safetensors"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unknown shard"
+
+
+def _check_expert_scales(model, path: Path) -> None:
+    """Refuse E8M0 NaN bytes (255) in the loaded MXFP4 expert scales, naming the checkpoint tensor holding the
+    first one (its key, shard and index) rather than the fused parameter it was merged into."""
+    for fqn, module in model.named_modules():
+        if not isinstance(module, KimiK3PackedExperts):
+            continue
+        for name, sources in _SCALE_SOURCES.items():
+            param = getattr(module, f"{name}_scale")
+            scale = param.to_local() if isinstance(param, DTensor) else param
+            bad = scale == 255
+            if not bool(bad.any()):
+                continue
+            local, row, _ = torch.nonzero(bad)[0].tolist()
+            rows = scale.shape[1] // len(sources)
+            part = row // rows
+            key = f"{fqn}.{local + _expert_offset(param)}.{sources[part]}.weight_scale"
+            where = f"tensor {key} in {_shard_of(path, key)}"
+            try:
+                check_scales(scale[local, part * rows:(part + 1) * rows], name=where)
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {path}: {e}") from e
+
+
 def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distribution_plan=None,
          warmup_tokens: tuple[int, int] | None = None, warmup_timeout_s: float = 600.0, **kwargs):
     """Validate, patch and load a Kimi-K3 checkpoint; returns `KimiK3ForConditionalGeneration`.
@@ -241,9 +288,7 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
     model.modelopt_ext_bytes_read = dict(reads.by_group)
     logger.info("read %s bytes of the checkpoint (%s)", f"{reads.total:,}",
                 ", ".join(f"{k} {v:,}" for k, v in sorted(reads.by_group.items())))
-    for module in model.modules():
-        if isinstance(module, KimiK3PackedExperts):
-            module.check_scales()
+    _check_expert_scales(model, prepared.path)  # MXFP4 scales checked once, so forwards need no host syncs
     # As the Auto classes do: save_pretrained then copies the (unmodified) remote-code files.
     prepared.model_class.register_for_auto_class("AutoModelForCausalLM")
     if prepared.quantization_config is not None:

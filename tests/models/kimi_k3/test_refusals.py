@@ -177,3 +177,28 @@ def test_unknown_kda_kernel(ckpt, tmp_path):
     with pytest.raises(KdaPatchError, match="chunk_kda"):
         _load(ckpt, remote_code_lock=_relock(ckpt, tmp_path))
     assert_untouched(ckpt)
+
+
+def _poison_scale(checkpoint, key, row, group):
+    """Write the E8M0 NaN byte 255 at [row, group] of checkpoint scale tensor `key`, in place; returns its shard."""
+    import struct
+
+    shard = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"][key]
+    with (checkpoint / shard).open("r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        meta = json.loads(f.read(n))[key]
+        f.seek(8 + n + meta["data_offsets"][0] + row * meta["shape"][1] + group)
+        f.write(b"\xff")
+    return shard
+
+
+@pytest.mark.parametrize("key,row,group", [
+    ("language_model.model.layers.3.block_sparse_moe.experts.5.w3.weight_scale", 7, 1),  # second half of gate_up
+    ("language_model.model.layers.2.block_sparse_moe.experts.15.w2.weight_scale", 0, 0),
+])
+def test_nan_scale_names_the_checkpoint_tensor(ckpt, key, row, group):
+    shard = _poison_scale(ckpt, key, row, group)
+    with pytest.raises(CheckpointError) as err:
+        _load(ckpt)
+    assert str(err.value) == (f"checkpoint {ckpt}: tensor {key} in {shard}: scale contains 1 byte(s) equal to 255 "
+                              f"(E8M0 NaN, reserved), first at index ({row}, {group}); expected bytes in 0..254")
