@@ -363,12 +363,18 @@ def _fp8_export(root: Path) -> tuple[Path, Path]:
 
 
 def test_verify_valid_export(tmp_path, capsys):
+    """A hand-built export has no manifest: refused (modelopt-ext's exports always carry one) until
+    --write-manifest checks it and writes one; then plain verify passes, checking the manifest."""
     src, export = _fp8_export(tmp_path)
+    assert main(["verify", str(export)]) == 2
+    assert f"  - {export}/MANIFEST.sha256 is missing: modelopt-ext's exporter always writes" in capsys.readouterr().err
+    assert main(["verify", str(export), "--write-manifest"]) == 0
+    capsys.readouterr()
     assert main(["verify", str(export)]) == 0
     captured = capsys.readouterr()
     assert captured.out.splitlines() == [
         f"OK {export}: 3 tensors, {128 + 4 + 64} bytes in 1 safetensors file(s); quantized weights: FP8 1",
-        "manifest MANIFEST.sha256: absent",
+        "manifest MANIFEST.sha256: checked",
     ]
     assert captured.err == ""
 
@@ -435,8 +441,8 @@ def test_verify_help_lists_flags(capsys):
 def test_python_m_verify_exit_codes(tmp_path):
     src, export = _fp8_export(tmp_path)
     cmd = [sys.executable, "-m", "modelopt_ext", "verify"]
-    proc = subprocess.run([*cmd, str(export), "--source", str(src)], env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([*cmd, str(export), "--source", str(src), "--write-manifest"], env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"OK {export}: ")
     (export / "config.json").unlink()

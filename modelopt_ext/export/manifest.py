@@ -28,7 +28,17 @@ def file_digests(export_dir: Path) -> dict[str, str]:
     }
 
 
-def _check_manifest(path: Path, digests: Mapping[str, str], problems: list[str]) -> None:
+def _check_manifest(path: Path, digests: Mapping[str, str], problems: list[str]) -> bool:
+    """Append a problem for every file that does not match the manifest at `path`, or one for a missing
+    manifest (modelopt-ext's exporter always writes it); False when there is no manifest to check."""
+    if not path.is_file():
+        what = "is not a file" if path.exists() else "is missing"
+        problems.append(
+            f"{path} {what}: modelopt-ext's exporter always writes {MANIFEST_NAME}, so this export is incomplete "
+            "or was not written by modelopt-ext; for an export of ModelOpt's own export_hf_checkpoint, "
+            "`modelopt-ext verify --write-manifest` checks it and writes one"
+        )
+        return False
     listed: dict[str, str] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         m = _MANIFEST_LINE.match(line)
@@ -42,6 +52,7 @@ def _check_manifest(path: Path, digests: Mapping[str, str], problems: list[str])
         elif digests[name] != digest:
             problems.append(f"{name} changed since {MANIFEST_NAME} was written (sha256 {digests[name]}, was {digest})")
     problems.extend(f"{name} is not listed in {MANIFEST_NAME}" for name in sorted(set(digests) - set(listed)))
+    return True
 
 
 def _write_manifest(export_dir: Path, digests: Mapping[str, str]) -> None:

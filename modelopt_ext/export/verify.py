@@ -115,7 +115,8 @@ class VerifyReport:
 
     ``max_rel_error[fmt]``: the largest ``max|dequantized - source| / max|source|`` over the weights of a
     format; ``max_bound_ratio[fmt]``: the largest ``|dequantized - source| / bound`` (<= 1 when valid).
-    Both are empty without a source. ``manifest``: ``written``, ``checked``, ``absent`` or ``not written``.
+    Both are empty without a source. ``manifest``: ``written``, ``checked``, ``missing`` (a problem) or
+    ``not written`` (with ``write_manifest``, when another check failed).
     """
 
     export_dir: str
@@ -290,9 +291,11 @@ def verify_export(
     A tensor that cannot be read or compared (wrong dtype, shape, a malformed source) is a problem naming
     it; the other checks go on.
 
-    (5) ``MANIFEST.sha256`` (``sha256  path`` per file, sorted): when it exists and ``write_manifest`` is
-    false, every file must match it, none may be missing or unlisted. With ``write_manifest`` the old
-    manifest is replaced, but only when every other check passed.
+    (5) ``MANIFEST.sha256`` (``sha256  path`` per file, sorted): unless ``write_manifest``, it must exist
+    (modelopt-ext's exporter always writes it; without it the export is incomplete or not from
+    modelopt-ext) and every file must match it, none may be missing or unlisted. With ``write_manifest``
+    (for an export of ModelOpt's own ``export_hf_checkpoint``, which writes none) the manifest is written
+    or replaced, but only when every other check passed.
     """
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
@@ -302,10 +305,9 @@ def verify_export(
     problems: list[str] = []
     digests = file_digests(export_dir)
     manifest_path = export_dir / MANIFEST_NAME
-    manifest = "absent"
-    if manifest_path.is_file() and not write_manifest:
-        _check_manifest(manifest_path, digests, problems)
-        manifest = "checked"
+    manifest = "not written"  # with write_manifest: "written" below, if every check passes
+    if not write_manifest:
+        manifest = "checked" if _check_manifest(manifest_path, digests, problems) else "missing"
     shards, entries, tensor_bytes = _check_layout(export_dir, problems)
     spec = _read_quant_spec(export_dir, problems)
     source_files = None if source_dir is None else _source_files(Path(source_dir))

@@ -35,6 +35,7 @@ from modelopt_ext.profiling import BatchProfiler, sync_device
 
 from .collect import check_collected, deferred_checks
 from .coverage import Coverage, record_expert_coverage
+from .modelopt_import import import_modelopt
 from .sync import calibration_algorithm, check_finite_amax, naming_nonfinite_quantizer, sync_amax
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ def calibrate(
     progress: Callable[[int], None] | None = None,
 ) -> CalibrationResult:
     """Quantize `model` with ModelOpt, calibrating on `batches` (this rank's); see the module doc."""
+    import_modelopt()  # done by this package's import already; makes sure ModelOpt leaves no temp files
     import modelopt.torch.quantization as mtq
 
     if uncovered not in POLICIES:

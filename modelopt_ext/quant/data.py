@@ -2,10 +2,11 @@
 
 No downloads: the default set is the text shipped with the package (the stand-in's corpus). A file is
 JSONL (one object per line with a "text" field, or "messages" rendered with the tokenizer's chat template)
-or plain text (one sample per non-empty line). Samples are tokenized and packed into one stream (EOS between
-samples), cut into blocks of `seq_len` tokens (no padding: pad tokens would enter the activation statistics),
-the first `calib_size` blocks kept and dealt round-robin to the ranks (rank r gets blocks r, r + W, ...), so
-every rank calibrates on different data.
+or plain text (one sample per non-empty line). It must be a regular file (a FIFO or a device is refused
+before it is opened) of at most `max_bytes`, 1 GiB by default (`DEFAULT_MAX_DATASET_BYTES`). Samples are
+tokenized and packed into one stream (EOS between samples), cut into blocks of `seq_len` tokens (no
+padding: pad tokens would enter the activation statistics), the first `calib_size` blocks kept and dealt
+round-robin to the ranks (rank r gets blocks r, r + W, ...), so every rank calibrates on different data.
 
 Shapes: B batch, S sequence length.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 import importlib.resources
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -28,16 +31,64 @@ def default_texts() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def _read_text_file(path: Path) -> str:
-    """The whole file as text (a UTF-8 BOM dropped); errors name the file and, for bad bytes, the offset."""
-    if not path.exists():
-        raise ValueError(f"calibration dataset {path} does not exist")
-    if path.is_dir():
-        raise ValueError(f"calibration dataset {path} is a directory, expected a JSONL or text file")
+# The largest --dataset read (1 GiB). Calibration uses calib_size * seq_len tokens, a few MB of text (512
+# blocks of 2048 tokens is ~4 MB), and every rank reads the whole file into memory (bytes, then str), so a
+# larger file only costs host memory per rank (8 ranks of a node: several GiB) without giving more data.
+DEFAULT_MAX_DATASET_BYTES = 1 << 30
+
+_FILE_KINDS = ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+               (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _FILE_KINDS if test(mode)), f"special file (mode 0o{mode:o})")
+
+
+def _size_text(n: int) -> str:
+    return f"{n} bytes ({n / (1 << 30):.2f} GiB)" if n >= 1 << 20 else f"{n} bytes"
+
+
+def _check_regular(path: Path, info: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"calibration dataset {path} is a {_kind(info.st_mode)}, expected a regular JSONL or "
+                         "text file")
+    if info.st_size > max_bytes:
+        raise ValueError(f"calibration dataset {path} is {_size_text(info.st_size)}, larger than the limit of "
+                         f"{_size_text(max_bytes)}; calibration reads a few MB of text, give a smaller file")
+
+
+def _read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `max_bytes` bytes. Checked with
+    `os.stat` before opening (opening a FIFO without a writer blocks, /dev/zero never ends), and again with
+    `fstat` on the file as opened (non-blocking, in case another file took its place in between)."""
     try:
-        raw = path.read_bytes()
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError(f"calibration dataset {path} does not exist") from None
     except OSError as e:
         raise ValueError(f"calibration dataset {path} is unreadable: {e.strerror or e}") from e
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"calibration dataset {path} is a directory, expected a JSONL or text file")
+    _check_regular(path, info, max_bytes)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ValueError(f"calibration dataset {path} is unreadable: {e.strerror or e}") from e
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(path, os.fstat(f.fileno()), max_bytes)
+        try:
+            raw = f.read(max_bytes + 1)  # it may have grown since
+        except OSError as e:
+            raise ValueError(f"calibration dataset {path} is unreadable: {e.strerror or e}") from e
+    if len(raw) > max_bytes:
+        raise ValueError(f"calibration dataset {path} grew past the limit of {_size_text(max_bytes)} while read")
+    return raw
+
+
+def _read_text_file(path: Path, max_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> str:
+    """The whole file as text (a UTF-8 BOM dropped); errors name the file and, for bad bytes, the offset.
+    Only a regular file of at most `max_bytes` bytes is opened (`_read_regular_file`)."""
+    raw = _read_regular_file(path, max_bytes)
     try:
         content = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -47,16 +98,19 @@ def _read_text_file(path: Path) -> str:
     return content.removeprefix("\ufeff")
 
 
-def load_texts(path: str | Path | None, tokenizer=None) -> list[str]:
+def load_texts(path: str | Path | None, tokenizer=None, *,
+               max_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> list[str]:
     """Samples from `path` (JSONL or text), or the embedded set when None.
 
     Raises ValueError naming the file (and the line or byte offset) for a missing, unreadable or non-UTF-8
-    file, a directory, a file without text, a JSONL line that is not JSON or not a usable record.
+    file, a directory, a FIFO, device or other file that is not a regular file (refused before it is
+    opened), a file larger than `max_bytes` (default 1 GiB), a file without text, a JSONL line that is not
+    JSON or not a usable record.
     """
     if path is None:
         return default_texts()
     path = Path(path)
-    content = _read_text_file(path)
+    content = _read_text_file(path, max_bytes)
     jsonl = path.suffix in (".jsonl", ".json")
     # JSONL splits on "\n" only: JSON strings may hold U+2028 and other characters splitlines() breaks at
     lines = [(i + 1, line) for i, line in enumerate(content.split("\n") if jsonl else content.splitlines())

@@ -14,6 +14,10 @@ entry (found by loading the entries one by one); `_pydantic_errors` formats vali
 `_entry_sources` attributes every resolved `quant_cfg` entry to the file and entry it was written in
 (`EntrySource`), following `$import`s into unit files. `_check_bits` then refuses a `num_bits` /
 `scale_bits` string that names no ExMy format on an entry without a custom backend (ModelOpt accepts it).
+`check_algorithm` refuses a `quantize.algorithm` that ModelOpt's calibration-mode registry does not know
+(ModelOpt's schema takes any string or mapping there and `mtq.quantize` fails on it after the model is
+loaded), one that `modelopt_ext.quant.calibrate` cannot run (see `SYNC_FIELD`), or settings its config
+class refuses.
 """
 
 from __future__ import annotations
@@ -270,3 +274,62 @@ def _entry_sources(path: Path, data: dict[str, Any], count: int) -> list[EntrySo
         logger.debug("%s: could not attribute %d resolved quant_cfg entries to files", path, count)
         return [EntrySource(str(path), f"quantize.quant_cfg (resolved entry {k})") for k in range(count)]
     return sources
+
+
+# `calibrate` runs ModelOpt with its own amax sync off (`sync.calibration_algorithm` sets this field to
+# False; `sync.sync_amax` syncs instead, with every rank in step): an algorithm whose config class has no such
+# field cannot run there (its config refuses the field: no calibration, smoothquant, AWQ, SVDQuant, GPTQ,
+# ... in ModelOpt 0.47).
+SYNC_FIELD = "distributed_sync"
+
+
+def calibration_methods() -> dict[str | None, type]:
+    """ModelOpt's calibration algorithms: `method` name (None: no calibration) -> config class, read from its
+    calibration-mode registry (what `mtq.quantize` looks the name up in)."""
+    from modelopt.torch.quantization.mode import CalibrateModeRegistry
+
+    return {d.config_class.model_fields["method"].default: d.config_class
+            for d in CalibrateModeRegistry._name2descriptor.values()}
+
+
+def _names(methods) -> str:
+    names = sorted(m for m in methods if m is not None)
+    return ", ".join(names + (["null (no calibration)"] if None in methods else []))
+
+
+def check_algorithm(algorithm: Any, where: str) -> None:
+    """Raise ValueError `where: <entry>: ...` unless `algorithm` (a recipe's `quantize.algorithm`) is one
+    calibration algorithm that ModelOpt knows and `calibrate` can run, with settings its config class takes;
+    the message lists the names (from ModelOpt)."""
+    methods = calibration_methods()
+    runnable = {m: c for m, c in methods.items() if SYNC_FIELD in c.model_fields}
+    use = f"use one of: {_names(runnable)}"
+    if isinstance(algorithm, (list, tuple)):
+        raise ValueError(f"{where}: quantize.algorithm is a list of {len(algorithm)} algorithms; modelopt_ext "
+                         f"calibrates with one algorithm, {use}")
+    if isinstance(algorithm, Mapping):
+        entry, method = "quantize.algorithm.method", algorithm.get("method")
+        if "method" not in algorithm:
+            raise ValueError(f"{where}: quantize.algorithm has no method; {use}")
+    elif algorithm is None or isinstance(algorithm, str):
+        entry, method = "quantize.algorithm", algorithm
+    else:
+        raise ValueError(f"{where}: quantize.algorithm must be a method name or a mapping with method, got "
+                         f"{type(algorithm).__name__} {algorithm!r}")
+    shown = "null (no calibration)" if method is None else repr(method)
+    if not isinstance(method, (str, type(None))) or method not in methods:
+        from modelopt import __version__
+
+        raise ValueError(f"{where}: {entry}: unknown calibration algorithm {shown}; valid: {_names(runnable)} "
+                         f"(ModelOpt {__version__} has {_names(methods)}; modelopt_ext's calibration runs those "
+                         f"with {SYNC_FIELD})")
+    if method not in runnable:
+        raise ValueError(f"{where}: {entry}: calibration algorithm {shown} cannot run in modelopt_ext's "
+                         f"calibration, which turns ModelOpt's {SYNC_FIELD} off and syncs amax across ranks itself: "
+                         f"{methods[method].__name__} has no {SYNC_FIELD}; {use}")
+    if isinstance(algorithm, Mapping):
+        try:
+            runnable[method].model_validate(dict(algorithm))
+        except ValueError as e:
+            details = _pydantic_errors(e) or [str(e)]
+            raise ValueError(f"{where}: " + "; ".join(f"quantize.algorithm.{d}" for d in details)) from e

@@ -79,6 +79,7 @@ from modelopt_ext.quant.recipe_io import (
     _pydantic_errors,
     _read_raw,
 )
+from modelopt_ext.quant.recipe_io import check_algorithm as check_algorithm
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +217,8 @@ def load(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> Reci
     (list indices as numbers, e.g. `quantize.quant_cfg.3.enable=false`); values are parsed with
     yaml.safe_load and must have the existing value's type (ints are accepted for floats; `num_bits` /
     `scale_bits` also take `e4m3`-style names). Any error is a ValueError naming the file and the entry
-    or key.
+    or key; that includes a `quantize.algorithm` (after the overrides) that ModelOpt does not know or
+    `calibrate` cannot run (`recipe_io.check_algorithm`).
     """
     path = resolve_recipe(name_or_path)
     raw = _read_raw(path)
@@ -233,11 +235,15 @@ def load(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> Reci
     sources = _entry_sources(path, data, len(loaded["quantize"]["quant_cfg"]))
     _check_bits(loaded["quantize"]["quant_cfg"], sources)
     overrides = list(overrides)
+    algorithm = copy.deepcopy(loaded["quantize"]["algorithm"])
     if overrides:
         loaded = apply_overrides(loaded, overrides, path)
         count = len(loaded["quantize"]["quant_cfg"])
         if count != len(sources):
             sources = [EntrySource(str(path), f"quantize.quant_cfg[{k}] (after --set)") for k in range(count)]
+    changed = loaded["quantize"]["algorithm"] != algorithm  # refused where it was set: the file or --set
+    check_algorithm(loaded["quantize"]["algorithm"], f"{path}: after --set {' '.join(overrides)}" if changed
+                    else str(path))
     logger.info("recipe %s: %d quant_cfg entries%s", path, len(loaded["quantize"]["quant_cfg"]),
                 f", overrides {overrides}" if overrides else "")
     return Recipe(loaded, path=path, sources=sources, overrides=overrides)

@@ -9,7 +9,8 @@ out of step. Here calibration runs with ModelOpt's sync off, then `sync_amax` do
   buffer, with -inf standing for "not calibrated here", and max-reduced over the world;
 - per-expert weight quantizers of expert-parallel modules belong to one rank's experts and are not mixed
   with other ranks' (they are only reduced inside an expert group, ranks holding the same experts);
-- a quantizer calibrated nowhere stays None and is reported; a non-finite amax is refused, naming it.
+- an enabled quantizer calibrated nowhere stays None and is named in a warning (a disabled one has no
+  amax by design: a debug line counts them); a non-finite amax is refused, naming it.
 
 Non-finite statistics, with or without torch.distributed: ModelOpt's max calibrator asserts on a NaN/inf
 amax as it collects, without naming the quantizer; `naming_nonfinite_quantizer` turns that assertion into a
@@ -34,7 +35,12 @@ logger = logging.getLogger(__name__)
 
 
 def calibration_algorithm(algorithm: str | Mapping[str, Any] = "max") -> dict[str, Any]:
-    """ModelOpt's calibration algorithm config with its own distributed sync switched off."""
+    """ModelOpt's calibration algorithm config with its own distributed sync switched off. ValueError for
+    an algorithm ModelOpt does not know or that has no such switch (`recipe_io.check_algorithm`, which
+    recipes are held to when they are loaded)."""
+    from .recipe_io import check_algorithm
+
+    check_algorithm(algorithm, "calibration algorithm")
     algo = {"method": algorithm} if isinstance(algorithm, str) else dict(algorithm)
     algo["distributed_sync"] = False
     return algo
@@ -88,6 +94,7 @@ def _reduce(quantizers: list[tuple[str, TensorQuantizer]], group, device: torch.
 
 
 MAX_LISTED_QUANTIZERS = 20
+MAX_NAMED_UNCALIBRATED = 5  # names in sync_amax's warning about enabled quantizers no rank calibrated
 _NONFINITE_ASSERTIONS = ("detected nan values in amax", "detected inf values in amax")
 
 
@@ -164,7 +171,7 @@ def sync_amax(model: torch.nn.Module, expert_group=None) -> dict[str, Any]:
         expert_group: the process group of ranks holding the same experts (None: each rank's experts are
             its own, as when the EP degree equals the world size).
     Returns:
-        {"shared": n, "local_experts": n, "uncalibrated": [names]}
+        {"shared": n, "local_experts": n, "uncalibrated": [names of enabled quantizers calibrated on no rank]}
     """
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -172,9 +179,22 @@ def sync_amax(model: torch.nn.Module, expert_group=None) -> dict[str, Any]:
     for name, module in model.named_modules():
         if isinstance(module, TensorQuantizer):
             (local if _is_local_expert_quantizer(model, name) else shared).append((name, module))
-    uncalibrated = _reduce(shared, dist.group.WORLD, device)
+    no_amax = _reduce(shared, dist.group.WORLD, device)
     if expert_group is not None and dist.get_world_size(expert_group) > 1:
-        uncalibrated += _reduce(local, expert_group, device)
-    if uncalibrated:
-        logger.info("%d quantizers were calibrated on no rank (amax stays None)", len(uncalibrated))
+        no_amax += _reduce(local, expert_group, device)
+    enabled = {name for name, q in shared + local if q.is_enabled}
+    uncalibrated = [name for name in no_amax if name in enabled]
+    _report_uncalibrated(uncalibrated, len(no_amax) - len(uncalibrated))
     return {"shared": len(shared), "local_experts": len(local), "uncalibrated": uncalibrated}
+
+
+def _report_uncalibrated(uncalibrated: list[str], disabled: int) -> None:
+    """A warning naming (some of) the enabled quantizers no rank calibrated; disabled quantizers have no
+    amax by design and get a debug line only."""
+    if uncalibrated:
+        named = ", ".join(uncalibrated[:MAX_NAMED_UNCALIBRATED])
+        more = len(uncalibrated) - MAX_NAMED_UNCALIBRATED
+        logger.warning("%d enabled quantizer(s) were calibrated on no rank (amax stays None): %s%s",
+                       len(uncalibrated), named, f" and {more} more" if more > 0 else "")
+    if disabled:
+        logger.debug("%d disabled quantizer(s) have no amax (expected)", disabled)

@@ -53,6 +53,7 @@ def _export(tiny_ckpt: Path, root: Path, fmt: str, max_shard_size: str) -> tuple
             if isinstance(module, KimiK3PackedExperts):
                 stack.enter_context(module.materialized(torch.bfloat16))
         export_hf_checkpoint(model, export_dir=out, max_shard_size=max_shard_size)
+    _seal(out)  # ModelOpt's exporter writes no manifest; modelopt-ext's always does, and verify requires it
     return src, out
 
 
@@ -76,6 +77,20 @@ def _copy(export: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(export, tmp_path / "export"))
 
 
+def _seal(export: Path) -> None:
+    """Write MANIFEST.sha256 for the files as they are now (``sha256  path``, sorted by path)."""
+    files = sorted((p.relative_to(export).as_posix(), p) for p in export.rglob("*")
+                   if p.is_file() and p.name != MANIFEST_NAME)
+    (export / MANIFEST_NAME).write_text(
+        "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {name}\n" for name, p in files))
+
+
+def _verify(export: Path, source: Path | None = None, **kwargs):
+    """verify_export after re-sealing the manifest: edits below test the other checks, not the manifest."""
+    _seal(export)
+    return verify_export(export, source, **kwargs)
+
+
 def _data_span(path: Path, key: str) -> tuple[int, int]:
     """Absolute byte range of a tensor's data in a safetensors file."""
     raw = path.read_bytes()
@@ -93,9 +108,10 @@ def _xor_bytes(path: Path, key: str, mask: int, count: int = 16) -> None:
     path.write_bytes(bytes(raw))
 
 
-def _problems(export: Path, source: Path | None = None, **kwargs) -> tuple[str, ...]:
+def _problems(export: Path, source: Path | None = None, *, seal: bool = True, **kwargs) -> tuple[str, ...]:
+    """The problems verify_export reports; with `seal`, the manifest is rewritten first (see `_verify`)."""
     with pytest.raises(ExportInvalid) as exc:
-        verify_export(export, source, **kwargs)
+        (_verify if seal else verify_export)(export, source, **kwargs)
     assert exc.value.problems == exc.value.report.problems
     for problem in exc.value.problems:
         assert problem in str(exc.value)
@@ -134,7 +150,7 @@ def test_fp8_sharded_export_passes_without_source(fp8):
     assert report.tensors_checked == len(index["weight_map"]) == len(dtypes)
     assert report.tensor_bytes == index["metadata"]["total_size"]
     assert dict(report.quantized) == {"FP8": sum(d == torch.float8_e4m3fn for d in dtypes.values())}
-    assert report.manifest == "absent" and not (export / MANIFEST_NAME).exists()
+    assert report.manifest == "checked"
     assert dict(report.max_rel_error) == {}
 
 
@@ -168,7 +184,7 @@ def test_nvfp4_single_file_export_passes(nvfp4):
 
 def test_tolerance_factor_scales_the_bound(nvfp4):
     src, export = nvfp4
-    problems = _problems(export, src, tolerance_factor=0.5)
+    problems = _problems(export, src, seal=False, tolerance_factor=0.5)  # the fixture itself: sealed
     assert any(GATE_PROJ in p and "exceed the NVFP4 error bound" in p for p in problems)
     assert all("error bound" in p for p in problems)
     with pytest.raises(ValueError, match="tolerance_factor"):
@@ -197,7 +213,7 @@ def test_manifest_written_then_checked(fp8, tmp_path):
     assert verify_export(export).manifest == "checked"
     (export / "stray.txt").write_text("x")
     (export / "generation_config.json").unlink()
-    problems = _problems(export)
+    problems = _problems(export, seal=False)
     assert problems == (
         f"generation_config.json is listed in {MANIFEST_NAME} but missing",
         f"stray.txt is not listed in {MANIFEST_NAME}",
@@ -209,12 +225,47 @@ def test_manifest_written_then_checked(fp8, tmp_path):
 
 def test_invalid_export_gets_no_manifest(fp8, tmp_path):
     export = _copy(fp8[1], tmp_path)
+    (export / MANIFEST_NAME).unlink()  # as ModelOpt's own exporter leaves it
     (export / INDEX).unlink()
     with pytest.raises(ExportInvalid) as exc:
         verify_export(export, write_manifest=True)
     assert exc.value.report.manifest == "not written"
     assert not (export / MANIFEST_NAME).exists()
     assert any("but no model.safetensors.index.json" in p for p in exc.value.problems)
+
+
+def _missing(export: Path) -> str:
+    return (f"{export / MANIFEST_NAME} is missing: modelopt-ext's exporter always writes {MANIFEST_NAME}, so this "
+            "export is incomplete or was not written by modelopt-ext; for an export of ModelOpt's own "
+            "export_hf_checkpoint, `modelopt-ext verify --write-manifest` checks it and writes one")
+
+
+def test_missing_manifest_is_a_problem(fp8, tmp_path):
+    src, export = fp8[0], _copy(fp8[1], tmp_path)
+    (export / MANIFEST_NAME).unlink()
+    assert _problems(export, seal=False) == _problems(export, src, seal=False) == (_missing(export),)
+    with pytest.raises(ExportInvalid) as exc:
+        verify_export(export)
+    assert exc.value.report.manifest == "missing"
+    # --write-manifest is the way to accept an export of ModelOpt's own exporter (every other check passes)
+    assert verify_export(export, src, write_manifest=True).manifest == "written"
+    assert verify_export(export).manifest == "checked"
+
+
+def test_verify_cli_exits_non_zero_without_manifest(nvfp4, tmp_path, capsys):
+    from modelopt_ext.cli import main
+
+    export = _copy(nvfp4[1], tmp_path)
+    (export / MANIFEST_NAME).unlink()
+    capsys.readouterr()
+    assert main(["verify", str(export)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"modelopt-ext verify: {export} is invalid, 1 problem(s):",
+                                         f"  - {_missing(export)}"]
+    assert main(["verify", str(export), "--write-manifest"]) == 0
+    assert "manifest MANIFEST.sha256: written" in capsys.readouterr().out
+    assert main(["verify", str(export)]) == 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -226,12 +277,12 @@ def test_flipped_bytes_in_unquantized_tensor(fp8, tmp_path):
     verify_export(export, write_manifest=True)
     shard = shard_of(export, EMBED)
     _xor_bytes(shard, EMBED, 0x5A)
-    assert _problems(export) == (
+    assert _problems(export, seal=False) == (
         f"{shard.name} changed since {MANIFEST_NAME} was written (sha256 "
         f"{hashlib.sha256(shard.read_bytes()).hexdigest()}, was "
         f"{hashlib.sha256((fp8[1] / shard.name).read_bytes()).hexdigest()})",
     )
-    problems = _problems(export, src)
+    problems = _problems(export, src, seal=False)
     assert len(problems) == 2
     assert problems[1].startswith(f"{EMBED} is not bit-exact to source {EMBED}: ")
 
@@ -386,7 +437,7 @@ def test_unmapped_export_key_with_source(nvfp4, tmp_path):
     src, export = nvfp4[0], _copy(nvfp4[1], tmp_path)
     key = "language_model.model.layers.0.extra_norm.bias"
     rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, torch.zeros(4, dtype=torch.bfloat16)))
-    assert verify_export(export).ok
+    assert _verify(export).ok
     assert _problems(export, src) == (f"export tensor {key} has no source tensor {key} (plain or MXFP4)",)
 
 
@@ -409,6 +460,7 @@ def _tiny_export(root: Path, algo: str, w: torch.Tensor, tensors: dict[str, torc
     (export / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
     qc = {"quant_algo": algo, "ignore": [], "quant_method": "modelopt"}
     (export / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    _seal(export)
     return src, export
 
 

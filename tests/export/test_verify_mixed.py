@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from modelopt_ext.export.manifest import _write_manifest, file_digests
 from modelopt_ext.export.verify import MANIFEST_NAME, ExportInvalid, verify_export
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 from modelopt_ext.testing.export_edits import fix_total_size, read_index, rewrite, shard_of
@@ -120,9 +121,16 @@ def _edit_quant_configs(export: Path, edit) -> None:
     (export / "config.json").write_text(json.dumps(config))
 
 
+def _sealed_verify(export: Path, source: Path | None = None, **kwargs):
+    """verify_export after writing the manifest for the files as they are now: these tests edit exports to test
+    the other checks (and ModelOpt's own exporter writes no manifest)."""
+    _write_manifest(export, file_digests(export))
+    return verify_export(export, source, **kwargs)
+
+
 def _problems(export: Path, source: Path | None = None, **kwargs) -> tuple[str, ...]:
     with pytest.raises(ExportInvalid) as exc:
-        verify_export(export, source, **kwargs)
+        _sealed_verify(export, source, **kwargs)
     return exc.value.problems
 
 
@@ -140,7 +148,7 @@ def test_mixed_export_passes_with_source(mixed):
     assert headers[f"{Q_B}.weight_scale"] == ("F32", [2, 1, 1, 1])  # ModelOpt's amax shape, kept as is
     n_pb = sum(cfg["quant_algo"] == "fp8_pb_wo" for cfg in hf["quantized_layers"].values())
     n_nvfp4 = sum(k.endswith(".weight_scale_2") for k in headers)
-    report = verify_export(export, src)
+    report = verify_export(export, src)  # the manifest the exporter wrote
     assert dict(report.quantized) == {"fp8_pb_wo": n_pb, "NVFP4": n_nvfp4} and n_pb > 20 and n_nvfp4 == 240
     assert report.manifest == "checked"
     assert 0.9 < report.max_bound_ratio["NVFP4"] <= 1.0 and 0.5 < report.max_bound_ratio["fp8_pb_wo"] <= 1.0
@@ -161,7 +169,7 @@ def test_modelopt_fp8_pb_wo_export_passes(fp8_pb_wo):
     assert hf["quant_algo"] == "fp8_pb_wo" and "group_size" not in hf
     headers = _headers(export)
     assert headers[f"{Q_B}.weight"] == ("F8_E4M3", [192, 64]) and headers[f"{Q_B}.weight_scale"][1] == [2, 1, 1, 1]
-    report = verify_export(export, src)
+    report = _sealed_verify(export, src)
     assert dict(report.quantized) == {"fp8_pb_wo": sum(d == "F8_E4M3" for d, _ in headers.values())}
     assert 0.5 < report.max_bound_ratio["fp8_pb_wo"] <= 1.0
 
@@ -204,7 +212,7 @@ def test_fp8_pb_wo_scaled_block_breaks_the_bound(mixed, tmp_path):
         t[key][1] *= 1.25
 
     rewrite(shard_of(export, key), scale_second_block)
-    assert verify_export(export).ok  # still a valid layout
+    assert _sealed_verify(export).ok  # still a valid layout
     problems = _problems(export, src)
     assert len(problems) == 1
     assert problems[0].startswith(f"{Q_B}.weight: ") and "exceed the fp8_pb_wo error bound; first at [128, " in (
@@ -314,9 +322,9 @@ def test_fp8_pb_wo_blocks_at_their_edges(tmp_path):
     q = x.to(torch.float8_e4m3fn)
     assert q[0, 0].item() == 1.0
     good = {"lin.weight": q, "lin.weight_scale": s.reshape(2, 1, 2, 1)}
-    report = verify_export(_one_linear(tmp_path / "ok", "fp8_pb_wo", w, good)[1], tmp_path / "ok" / "src")
+    report = _sealed_verify(_one_linear(tmp_path / "ok", "fp8_pb_wo", w, good)[1], tmp_path / "ok" / "src")
     assert report.quantized == {"fp8_pb_wo": 1} and 0.87 < report.max_bound_ratio["fp8_pb_wo"] <= 1.0  # 0.874
-    assert verify_export(_one_linear(tmp_path / "2d", "fp8_pb_wo", w, {**good, "lin.weight_scale": s})[1],
+    assert _sealed_verify(_one_linear(tmp_path / "2d", "fp8_pb_wo", w, {**good, "lin.weight_scale": s})[1],
                          tmp_path / "2d" / "src").ok
     # One code of the partial corner block an ULP off (2 -> 2.25, times its scale 4); the scales transposed
     # (accepted as a layout, but block [0, 1] then gets 0.5 instead of 2).
@@ -348,6 +356,6 @@ def test_weight_only_formats_carry_no_input_scale(tmp_path):
         "lin.weight_scale_2": torch.tensor(0.25),
     }
     src, export = _one_linear(tmp_path / "ok", "W4A16_NVFP4", w, good)
-    assert verify_export(export, src).max_rel_error == {"W4A16_NVFP4": 0.0}
+    assert _sealed_verify(export, src).max_rel_error == {"W4A16_NVFP4": 0.0}
     src, export = _one_linear(tmp_path / "in", "W4A16_NVFP4", w, {**good, "lin.input_scale": torch.tensor(1.0)})
     assert _problems(export, src) == ("orphan scale lin.input_scale: W4A16_NVFP4 is weight-only",)

@@ -1,6 +1,8 @@
 """Calibration data loading and per-rank batching."""
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -86,16 +88,95 @@ def test_missing_file_and_directory(tmp_path):
 def test_unreadable_file(tmp_path, monkeypatch):
     path = tmp_path / "secret.jsonl"
     path.write_text('{"text": "x"}\n')
-    real = Path.read_bytes
+    real = os.open
 
-    def read_bytes(self):  # tests run as root, where chmod 000 does not stop reading
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self)
+    def refusing_open(file, *args, **kwargs):  # tests run as root, where chmod 000 does not stop reading
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real(file, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(os, "open", refusing_open)
     with pytest.raises(ValueError, match=f"calibration dataset {path} is unreadable: Permission denied"):
         load_texts(path)
+
+
+def _refused_within(seconds: float, path, **kwargs) -> str:
+    """load_texts(path) in a thread: the ValueError's message, failing (not hanging) if it blocks."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(load_texts(path, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"load_texts({path}) still running after {seconds} s"
+    assert isinstance(outcome[0], ValueError), outcome
+    return str(outcome[0])
+
+
+def test_fifo_is_refused_without_opening_it(tmp_path):
+    fifo = tmp_path / "calib.jsonl"
+    os.mkfifo(fifo)  # no writer: opening it for reading would block forever
+    assert _refused_within(10, fifo) == (
+        f"calibration dataset {fifo} is a FIFO (named pipe), expected a regular JSONL or text file")
+
+
+def test_character_device_is_refused():
+    assert _refused_within(10, "/dev/zero") == (
+        "calibration dataset /dev/zero is a character device, expected a regular JSONL or text file")
+
+
+def test_size_limit(tmp_path, monkeypatch):
+    """A documented limit, checked with os.stat before the file is opened (a sparse file above 1 GiB here)."""
+    from modelopt_ext.quant import data
+
+    path = tmp_path / "calib.txt"
+    path.write_text("x" * 99 + "\n")
+    assert load_texts(path, max_bytes=100) == ["x" * 99]
+    with pytest.raises(ValueError) as err:
+        load_texts(path, max_bytes=99)
+    assert str(err.value) == (f"calibration dataset {path} is 100 bytes, larger than the limit of 99 bytes; "
+                              "calibration reads a few MB of text, give a smaller file")
+    assert data.DEFAULT_MAX_DATASET_BYTES == 1 << 30
+    big = tmp_path / "big.txt"
+    with big.open("wb") as f:  # sparse: no disk used
+        f.truncate((1 << 30) + 1)
+    real_open = os.open
+
+    def checked_open(file, *args, **kwargs):
+        assert Path(file) != big, f"{big} was opened"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", checked_open)
+    with pytest.raises(ValueError) as err:
+        load_texts(big)  # the default limit
+    assert str(err.value) == (f"calibration dataset {big} is 1073741825 bytes (1.00 GiB), larger than the limit "
+                              "of 1073741824 bytes (1.00 GiB); calibration reads a few MB of text, give a smaller "
+                              "file")
+
+
+def test_file_swapped_for_a_fifo_after_the_stat_is_refused(tmp_path, monkeypatch):
+    """The check is repeated on the opened file (opened non-blocking, so a FIFO does not block the open)."""
+    from modelopt_ext.quant import data
+
+    path = tmp_path / "calib.txt"
+    path.write_text("text\n")
+    real_stat = os.stat
+
+    def stat_then_swap(file, *args, **kwargs):
+        result = real_stat(file, *args, **kwargs)
+        if Path(file) == path:
+            path.unlink()
+            os.mkfifo(path)
+        return result
+
+    monkeypatch.setattr(data.os, "stat", stat_then_swap)
+    assert _refused_within(10, path) == (
+        f"calibration dataset {path} is a FIFO (named pipe), expected a regular JSONL or text file")
 
 
 @pytest.mark.parametrize("encode_slice", [512, 3, 1])  # texts per tokenizer call: same blocks whatever it is
@@ -145,3 +226,20 @@ def test_no_block_at_all(tokenizer, texts):
     with pytest.raises(ValueError, match=f"yields no block of 512 tokens: its {len(texts)} samples give {tokens} tokens; "
                                          "give more text or a smaller seq_len"):
         calibration_batches(tokenizer, texts, calib_size=4, batch_size=2, seq_len=512)
+
+
+def test_ptq_refuses_a_fifo_dataset_in_validate(tiny_ckpt, tmp_path):
+    """Through the CLI, in a subprocess with a time bound (the open of a FIFO without a writer blocked forever)."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "calib.jsonl"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "modelopt_ext", "ptq", "--model", str(tiny_ckpt), "--export-dir",
+                           str(out), "--no-progress", "--dataset", str(fifo)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (f"modelopt-ext ptq: error: validate: calibration dataset {fifo} is a FIFO (named pipe), expected a "
+            "regular JSONL or text file") in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert not out.exists()

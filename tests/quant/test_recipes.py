@@ -217,6 +217,87 @@ def test_user_yaml_errors_name_file_and_entry(tmp_path, mutate, expected):
     assert str(info.value).startswith(f"{path}: ")
 
 
+def _modelopt_calibration_names():
+    """The calibration algorithm names ModelOpt registers (read here from its mode registry's names)."""
+    from modelopt.torch.quantization.mode import CalibrateModeRegistry
+
+    return {name.removesuffix("_calibrate") for name in CalibrateModeRegistry._name2descriptor if name != "_no_calibrate"}
+
+
+@pytest.mark.parametrize("algorithm, entry", [({"method": "maxx"}, "quantize.algorithm.method"),
+                                              ("maxx", "quantize.algorithm")])
+def test_unknown_calibration_algorithm_is_refused_at_load(tmp_path, algorithm, entry):
+    data = _user_recipe([O_PROJ_FP8])
+    data["quantize"]["algorithm"] = algorithm
+    path = _write(tmp_path / "user.yaml", data)
+    with pytest.raises(ValueError) as info:
+        R.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {entry}: unknown calibration algorithm 'maxx'; valid: local_hessian, max, "
+                              "mse (ModelOpt ")
+    for name in _modelopt_calibration_names():  # the list comes from ModelOpt
+        assert name in message, name
+    assert "null (no calibration)" in message
+
+
+def test_unknown_algorithm_from_an_override_names_the_override():
+    with pytest.raises(ValueError) as info:
+        R.load("kimi_k3/fp8_all", ["quantize.algorithm.method=maxx"])
+    assert str(info.value).startswith(f"{R.RECIPES_DIR / 'kimi_k3' / 'fp8_all.yaml'}: after --set "
+                                      "quantize.algorithm.method=maxx: quantize.algorithm.method: unknown calibration "
+                                      "algorithm 'maxx'; valid: local_hessian, max, mse")
+    # an override fixes a file's algorithm; a valid one loads
+    assert R.load("kimi_k3/fp8_all", ["quantize.algorithm.method=mse"])["quantize"]["algorithm"]["method"] == "mse"
+
+
+@pytest.mark.parametrize("algorithm, expected", [
+    ({"method": "awq_lite"}, "quantize.algorithm.method: calibration algorithm 'awq_lite' cannot run in "
+     "modelopt_ext's calibration, which turns ModelOpt's distributed_sync off and syncs amax across ranks itself: "
+     "AWQLiteCalibConfig has no distributed_sync; use one of: local_hessian, max, mse"),
+    ("smoothquant", "quantize.algorithm: calibration algorithm 'smoothquant' cannot run in modelopt_ext's "
+     "calibration, which turns ModelOpt's distributed_sync off and syncs amax across ranks itself: "
+     "SmoothQuantCalibConfig has no distributed_sync; use one of: local_hessian, max, mse"),
+    (None, "quantize.algorithm: calibration algorithm null (no calibration) cannot run in modelopt_ext's "
+     "calibration, which turns ModelOpt's distributed_sync off and syncs amax across ranks itself: "
+     "QuantizeAlgorithmConfig has no distributed_sync; use one of: local_hessian, max, mse"),
+    (["max", "mse"], "quantize.algorithm is a list of 2 algorithms; modelopt_ext calibrates with one algorithm, "
+     "use one of: local_hessian, max, mse"),
+    ({"method": "max", "bogus": 1}, "quantize.algorithm.bogus: Extra inputs are not permitted (got 1)"),
+    ({"layerwise": {"enable": False}}, "quantize.algorithm has no method; use one of: local_hessian, max, mse"),
+])
+def test_algorithms_calibrate_cannot_run_are_refused_at_load(tmp_path, algorithm, expected):
+    """calibrate switches ModelOpt's distributed_sync off (sync.calibration_algorithm): only the algorithms
+    whose config has that field run; today each of these failed inside mtq.quantize, after the model load."""
+    data = _user_recipe([O_PROJ_FP8])
+    data["quantize"]["algorithm"] = algorithm
+    path = _write(tmp_path / "user.yaml", data)
+    with pytest.raises(ValueError) as info:
+        R.load(path)
+    assert str(info.value) == f"{path}: {expected}"
+
+
+def test_ptq_refuses_an_unknown_algorithm_in_validate(tiny_ckpt, tmp_path, loads, capsys):
+    """Before anything is loaded (today it failed in ModelOpt with an AssertionError after the full load)."""
+    from modelopt_ext.cli import main
+
+    data = yaml.safe_load((R.RECIPES_DIR / "kimi_k3" / "fp8_all.yaml").read_text())
+    data["quantize"]["algorithm"]["method"] = "maxx"
+    path = _write(tmp_path / "maxx.yaml", data)
+    capsys.readouterr()
+    rc = main(["ptq", "--model", str(tiny_ckpt), "--export-dir", str(tmp_path / "out"), "--no-progress",
+               "--recipe", str(path)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("modelopt-ext ptq: error: ")]
+    assert rc == 1 and loads == [] and not (tmp_path / "out").exists()
+    assert err[-1].startswith(f"modelopt-ext ptq: error: validate: {path}: quantize.algorithm.method: unknown "
+                              "calibration algorithm 'maxx'; valid: local_hessian, max, mse (ModelOpt "), err
+
+
+def test_algorithms_calibrate_runs_pass_the_check():
+    for algorithm in ("max", "mse", {"method": "local_hessian"}, {"method": "max", "layerwise": {"enable": False}},
+                      {"method": "mse", "distributed_sync": True}):
+        R.check_algorithm(algorithm, "here")
+
+
 def test_yaml_is_loaded_safely(tmp_path):
     path = tmp_path / "evil.yaml"
     path.write_text("metadata: !!python/object/apply:os.system ['echo unsafe']\n")

@@ -1,5 +1,8 @@
 """Amax after EP calibration + sync_amax equals one process calibrated on all ranks' batches."""
 
+import logging
+
+import pytest
 import torch
 
 from modelopt_ext.testing.multiproc import run_ranks
@@ -44,3 +47,63 @@ def test_calibration_algorithm_turns_modelopt_sync_off():
     assert calibration_algorithm("max") == {"method": "max", "distributed_sync": False}
     assert calibration_algorithm({"method": "mse", "distributed_sync": True}) == {"method": "mse",
                                                                                   "distributed_sync": False}
+
+
+def _quantizers(enabled_with_amax: int, enabled_without: int, disabled: int) -> torch.nn.Module:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    model = torch.nn.Module()
+    for i in range(enabled_with_amax):
+        q = TensorQuantizer()
+        q.amax = torch.tensor(1.0 + i)
+        model.add_module(f"calibrated_{i}", q)
+    for i in range(enabled_without):
+        model.add_module(f"uncalibrated_{i}", TensorQuantizer())
+    for i in range(disabled):
+        q = TensorQuantizer()
+        q.disable()
+        model.add_module(f"disabled_{i}", q)
+    return model
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_disabled_quantizers_are_not_reported_as_uncalibrated(one_rank, caplog):
+    from modelopt_ext.quant.sync import sync_amax
+
+    with caplog.at_level(logging.DEBUG, logger="modelopt_ext.quant.sync"):
+        report = sync_amax(_quantizers(enabled_with_amax=2, enabled_without=0, disabled=3))
+    assert report["uncalibrated"] == []
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    assert caplog.records[0].getMessage() == "3 disabled quantizer(s) have no amax (expected)"
+
+
+def test_enabled_uncalibrated_quantizers_are_named_in_a_warning(one_rank, caplog):
+    from modelopt_ext.quant.sync import sync_amax
+
+    with caplog.at_level(logging.INFO, logger="modelopt_ext.quant.sync"):
+        report = sync_amax(_quantizers(enabled_with_amax=1, enabled_without=7, disabled=3))
+    assert report["uncalibrated"] == [f"uncalibrated_{i}" for i in range(7)]
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert warnings[0].getMessage() == (
+        "7 enabled quantizer(s) were calibrated on no rank (amax stays None): uncalibrated_0, uncalibrated_1, "
+        "uncalibrated_2, uncalibrated_3, uncalibrated_4 and 2 more")
+
+
+def test_calibration_algorithm_refuses_what_it_cannot_run():
+    from modelopt_ext.quant.sync import calibration_algorithm
+
+    with pytest.raises(ValueError, match=r"^calibration algorithm: quantize.algorithm: unknown calibration algorithm "
+                                         r"'maxx'; valid: local_hessian, max, mse \(ModelOpt "):
+        calibration_algorithm("maxx")
+    with pytest.raises(ValueError, match=r"'gptq' cannot run in modelopt_ext's calibration.*GPTQCalibConfig has no "
+                                         r"distributed_sync"):
+        calibration_algorithm({"method": "gptq"})
