@@ -5,6 +5,8 @@ every rank's exit status and output are captured on their own and a relative pat
     runs = launch_nodes(["ptq", "--model", "ckpt", ...], [node0, node1], timeout_s=240)
     assert all(r.returncode == 1 for r in runs)
 
+An agent whose rank succeeded waits at exit (torchrun's exit barrier, up to 300 s) for the other agents, so
+a run in which some ranks succeed and others fail takes that long: `ptq` fails every rank together.
 The checkout this module belongs to goes first on PYTHONPATH, so the ranks run this tree, not an installed
 copy. Every run is bounded: past `timeout_s` every agent's process group is killed and `timed_out` is set.
 """
@@ -60,6 +62,48 @@ def node_env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (torchrun starts each rank in a session of its own, out of the agent's group)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _end(agents: list[subprocess.Popen], grace_s: float = 40.0) -> None:
+    """Stop agents still running: SIGTERM (torchrun passes it to its ranks), then SIGKILL to what is left,
+    ranks included, so no rank outlives the test."""
+    running = [a for a in agents if a.poll() is None]
+    for agent in running:
+        agent.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for agent in running:
+        ranks = _children(agent.pid)
+        try:
+            agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in ranks + _children(agent.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(timeout=30)
+
+
 def launch_nodes(argv: Sequence[str], cwds: Sequence[Path], *, env: dict[str, str], timeout_s: float,
                  target: Sequence[str] = ("-m", "modelopt_ext"),
                  while_running: Callable[[list[subprocess.Popen]], None] | None = None) -> list[NodeRun]:
@@ -90,10 +134,7 @@ def launch_nodes(argv: Sequence[str], cwds: Sequence[Path], *, env: dict[str, st
                 while_running(agents)
             time.sleep(0.02)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait(timeout=30)
+        _end(agents)
         for out, err in files:
             out.close()
             err.close()
