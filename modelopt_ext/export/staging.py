@@ -2,7 +2,7 @@
 when every file (the manifest last) is complete, so an interrupted run never leaves a directory that looks
 like a finished export.
 
-- `staging_dir` creates `.NAME.partial-XXXXXXXX` beside the export dir, with an owner record (host, pid)
+- `staging_dir` creates `.NAME.partial-<8 hex digits>` beside the export dir, with an owner record (host, pid)
   that `stale_dirs` reads to tell a dead run's leftovers from a running one's; the record is removed
   (`drop_owner`) before the manifest is written.
 - `publish` puts the staging dir in place. Onto a missing or empty export dir that is one rename(2). Onto a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from modelopt_ext.export.manifest import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
-STAGING_SUFFIX = ".partial-"  # `.NAME.partial-XXXXXXXX`: a run's export while it is written
-REPLACED_SUFFIX = ".replaced-"  # `.NAME.replaced-XXXXXXXX`: a previous export being removed after publishing
+STAGING_SUFFIX = ".partial-"  # `.NAME.partial-<8 hex digits>`: a run's export while it is written
+REPLACED_SUFFIX = ".replaced-"  # `.NAME.replaced-<8 hex digits>`: a previous export being removed after publishing
 _TOKEN_CHARS = 8  # the hex characters after either suffix
 
 
@@ -119,8 +120,6 @@ def _probe_dir(export_dir: Path) -> Path:
 
 def write_probe(export_dir: Path) -> tuple[str, str]:
     """Rank 0: a small file beside where the staging dir will be; returns (its name, its content)."""
-    import secrets
-
     name, token = f".{export_dir.name}{PROBE_SUFFIX}{secrets.token_hex(4)}", secrets.token_hex(16)
     (_probe_dir(export_dir) / name).write_text(token)
     return name, token
