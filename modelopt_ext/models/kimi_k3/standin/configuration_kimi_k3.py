@@ -1,5 +1,6 @@
 # Stand-in remote code for Kimi-K3, written by the modelopt_ext project from the public facts about the
-# checkpoint (see docs/standin.md). Defaults are the real model's sizes; the generator shrinks them.
+# checkpoint (see docs/standin.md). Every key is spelled as the real config.json spells it, with the same
+# meaning; defaults are the real model's values and the generator shrinks the sizes.
 """Configuration classes of Kimi-K3: the multimodal wrapper, its Kimi-Linear text model and its ViT."""
 
 from transformers import PretrainedConfig
@@ -14,7 +15,12 @@ def _default_full_attn_layers(num_hidden_layers: int) -> list[int]:
 
 
 class KimiLinearConfig(PretrainedConfig):
-    """Text backbone: KDA linear attention and MLA layers, latent MoE with SiTU-GLU experts, AttnRes."""
+    """Text backbone: KDA linear attention and MLA layers, latent MoE with SiTU-GLU experts, AttnRes.
+
+    Layer kinds as the real code decides them: layer i (0-based) is KDA iff i + 1 is in
+    `linear_attn_config["kda_layers"]`, else MLA; it has the sparse MoE block iff `num_experts` is set,
+    i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0, else the dense MLP.
+    """
 
     model_type = "kimi_linear"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -26,38 +32,43 @@ class KimiLinearConfig(PretrainedConfig):
         intermediate_size: int = 33792,
         num_hidden_layers: int = 93,
         num_attention_heads: int = 96,
-        num_key_value_heads: int = 96,
-        hidden_act: str = "silu",
+        num_key_value_heads: int | None = 96,
+        hidden_act: str = "situ",
         initializer_range: float = 0.02,
         rms_norm_eps: float = 1e-5,
         use_cache: bool = True,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | None = None,
+        pad_token_id: int | None = 0,  # token ids: the real code's defaults; config.json sets them
+        bos_token_id: int | None = 1,
+        eos_token_id: int | None = 2,
         tie_word_embeddings: bool = False,
-        q_lora_rank: int = 1536,
-        kv_lora_rank: int = 512,
-        qk_nope_head_dim: int = 128,
-        qk_rope_head_dim: int = 64,
-        v_head_dim: int = 128,
+        max_position_embeddings: int = 1048576,
+        q_lora_rank: int | None = 1536,
+        kv_lora_rank: int | None = 512,
+        qk_nope_head_dim: int | None = 128,
+        qk_rope_head_dim: int | None = 64,
+        v_head_dim: int | None = 128,
         mla_use_nope: bool = True,
-        mla_layernorm_eps: float = 1e-6,
-        num_experts: int = 896,
-        num_experts_per_token: int = 16,
-        moe_intermediate_size: int = 3072,
-        num_shared_experts: int = 2,
+        mla_use_output_gate: bool = True,
+        num_experts: int | None = 896,
+        num_experts_per_token: int | None = 16,
+        moe_intermediate_size: int | None = 3072,
+        num_shared_experts: int | None = 2,
         first_k_dense_replace: int = 1,
         moe_layer_freq: int = 1,
         moe_router_activation_func: str = "sigmoid",
         moe_renormalize: bool = True,
         routed_scaling_factor: float = 1.0,
-        latent_moe_dim: int = 3584,
+        topk_method: str = "noaux_tc",
+        use_grouped_topk: bool = True,
+        num_expert_group: int = 1,
+        topk_group: int = 1,
+        num_nextn_predict_layers: int = 0,
+        routed_expert_hidden_size: int | None = 3584,
         latent_moe_use_norm: bool = True,
-        activation_situ_beta: float = 4.0,
-        activation_situ_linear_beta: float = 25.0,
-        attn_res_block_size: int = 12,
+        activation_situ_beta: float | None = 4.0,
+        activation_situ_linear_beta: float | None = 25.0,
+        attn_res_block_size: int | None = 12,
         linear_attn_config: dict | None = None,
-        ep_size: int = 1,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -65,18 +76,19 @@ class KimiLinearConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self.hidden_act = hidden_act
         self.initializer_range = initializer_range
         self.rms_norm_eps = rms_norm_eps
         self.use_cache = use_cache
+        self.max_position_embeddings = max_position_embeddings
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.mla_use_nope = mla_use_nope
-        self.mla_layernorm_eps = mla_layernorm_eps
+        self.mla_use_output_gate = mla_use_output_gate
         self.num_experts = num_experts
         self.num_experts_per_token = num_experts_per_token
         self.moe_intermediate_size = moe_intermediate_size
@@ -86,7 +98,12 @@ class KimiLinearConfig(PretrainedConfig):
         self.moe_router_activation_func = moe_router_activation_func
         self.moe_renormalize = moe_renormalize
         self.routed_scaling_factor = routed_scaling_factor
-        self.latent_moe_dim = latent_moe_dim
+        self.topk_method = topk_method
+        self.use_grouped_topk = use_grouped_topk
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        self.routed_expert_hidden_size = routed_expert_hidden_size
         self.latent_moe_use_norm = latent_moe_use_norm
         self.activation_situ_beta = activation_situ_beta
         self.activation_situ_linear_beta = activation_situ_linear_beta
@@ -103,8 +120,6 @@ class KimiLinearConfig(PretrainedConfig):
                 "gate_lower_bound": -5.0,
             }
         self.linear_attn_config = linear_attn_config
-        # Upstream ships expert parallelism switched off and does not honour other values.
-        self.ep_size = ep_size
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -113,49 +128,92 @@ class KimiLinearConfig(PretrainedConfig):
             **kwargs,
         )
 
-    def is_mla(self, layer_idx: int) -> bool:
-        """Whether 0-based layer `layer_idx` is an MLA (full attention) layer."""
-        return (layer_idx + 1) in self.linear_attn_config["full_attn_layers"]
+    @property
+    def is_mla(self) -> bool:
+        """Whether the model has MLA layers at all (the real code's property of this name)."""
+        return self.kv_lora_rank is not None or self.q_lora_rank is not None or self.mla_use_nope is True
 
-    def is_moe(self, layer_idx: int) -> bool:
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def is_kda_layer(self, layer_idx: int) -> bool:
+        """Whether 0-based layer `layer_idx` is a KDA (linear attention) layer; the others are MLA."""
+        return self.linear_attn_config is not None and (layer_idx + 1) in self.linear_attn_config["kda_layers"]
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether 0-based layer `layer_idx` has the sparse MoE block instead of the dense MLP."""
-        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+        return (
+            self.num_experts is not None
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
 
 
 class KimiK3VisionConfig(PretrainedConfig):
-    """The ViT image encoder and the 2x2 patch merge feeding `mm_projector`."""
-
-    model_type = "kimi_k3_vision"
+    """The ViT image encoder (`vt_*`) and the patch-merger projector (`mm_projector_*`) feeding the text model."""
 
     def __init__(
         self,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        num_hidden_layers: int = 27,
-        num_attention_heads: int = 16,
         patch_size: int = 14,
-        num_channels: int = 3,
         init_pos_emb_height: int = 64,
         init_pos_emb_width: int = 64,
+        init_pos_emb_time: int = 4,
+        pos_emb_type: str = "divided_fixed",
+        pos_emb_interpolation_mode: str = "bilinear",
+        vt_num_attention_heads: int = 12,
+        vt_num_hidden_layers: int = 27,
+        vt_hidden_size: int = 1024,
+        vt_intermediate_size: int = 4096,
+        qkv_hidden_size: int | None = 1536,
         merge_kernel_size: tuple[int, int] | list[int] = (2, 2),
-        layer_norm_eps: float = 1e-6,
+        merge_type: str = "sd2_tpool",
+        norm_type: str = "rmsnorm",
+        mlp_type: str = "mlp2",
+        activation_func: str = "gelu_pytorch_tanh",
+        attn_bias: bool = False,
+        linear_bias: bool = False,
+        patch_embed_proj_bias: bool = False,
+        mm_projector_type: str = "patchmergerv2",
+        mm_hidden_size: int | None = 1024,
+        projector_hidden_act: str = "gelu",
+        projector_ln_eps: float = 1e-5,
+        text_hidden_size: int = 7168,
         **kwargs,
     ):
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
         self.patch_size = patch_size
-        self.num_channels = num_channels
         self.init_pos_emb_height = init_pos_emb_height
         self.init_pos_emb_width = init_pos_emb_width
+        self.init_pos_emb_time = init_pos_emb_time
+        self.pos_emb_type = pos_emb_type
+        self.pos_emb_interpolation_mode = pos_emb_interpolation_mode
+        self.vt_num_attention_heads = vt_num_attention_heads
+        self.vt_num_hidden_layers = vt_num_hidden_layers
+        self.vt_hidden_size = vt_hidden_size
+        self.vt_intermediate_size = vt_intermediate_size
+        self.qkv_hidden_size = qkv_hidden_size
         self.merge_kernel_size = list(merge_kernel_size)
-        self.layer_norm_eps = layer_norm_eps
+        self.merge_type = merge_type
+        self.norm_type = norm_type
+        self.mlp_type = mlp_type
+        self.activation_func = activation_func
+        self.attn_bias = attn_bias
+        self.linear_bias = linear_bias
+        self.patch_embed_proj_bias = patch_embed_proj_bias
+        self.mm_projector_type = mm_projector_type
+        self.mm_hidden_size = vt_hidden_size if mm_hidden_size is None else mm_hidden_size
+        self.projector_hidden_act = projector_hidden_act
+        self.projector_ln_eps = projector_ln_eps
+        self.text_hidden_size = text_hidden_size
         super().__init__(**kwargs)
 
 
 class KimiK3Config(PretrainedConfig):
-    """Kimi-K3: a Kimi-Linear text model, a ViT and the `mm_projector` that maps merged patches to text width."""
+    """Kimi-K3: a Kimi-Linear text model, a ViT and the `mm_projector` that maps merged patches to text width.
+
+    The checkpoint's compressed-tensors `quantization_config` lives in `text_config`; as the real code
+    does, it is also exposed on this config so that transformers sees it.
+    """
 
     model_type = "kimi_k3"
     sub_configs = {"text_config": KimiLinearConfig, "vision_config": KimiK3VisionConfig}
@@ -165,8 +223,9 @@ class KimiK3Config(PretrainedConfig):
         self,
         text_config: dict | KimiLinearConfig | None = None,
         vision_config: dict | KimiK3VisionConfig | None = None,
+        ignore_index: int = -100,
         media_placeholder_token_id: int = 163605,
-        pad_token_id: int | None = None,
+        pad_token_id: int | None = 0,
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
@@ -176,7 +235,10 @@ class KimiK3Config(PretrainedConfig):
         if isinstance(vision_config, dict):
             vision_config = KimiK3VisionConfig(**vision_config)
         self.vision_config = vision_config if vision_config is not None else KimiK3VisionConfig()
+        self.ignore_index = ignore_index
         self.media_placeholder_token_id = media_placeholder_token_id
+        if getattr(self.text_config, "quantization_config", None) is not None and "quantization_config" not in kwargs:
+            self.quantization_config = self.text_config.quantization_config
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def get_text_config(self, *args, **kwargs) -> KimiLinearConfig:

@@ -32,21 +32,22 @@ from .modeling_kimi_k3 import KimiK3ForConditionalGeneration
 logger = logging.getLogger(__name__)
 
 STANDIN_DIR = Path(__file__).parent
+PUBLIC_CONFIG = STANDIN_DIR.parent / "kimi_k3_config.json"  # the public config.json, key for key
 REMOTE_CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi_linear.py")
 TEXT_PREFIX = "language_model.model.layers."
 EXPERT_KEY = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
-FP32_KEYS = re.compile(r"(A_log|dt_bias|conv1d\.weight|e_score_correction_bias)$")
-# The upstream quantization config: MXFP4 weights (group 32, E8M0 uint8 scales) for every Linear not
-# ignored; the ignore list leaves everything but the routed experts in bf16.
+FP32_KEYS = re.compile(r"(A_log|dt_bias|conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
+# The real checkpoint's quantization config (text_config.quantization_config of config.json): MXFP4 weights
+# (group 32, E8M0 uint8 scales) for every Linear not ignored. Its ignore list, verbatim, does not name the
+# latent projections `routed_expert_{down,up}_proj` nor the AttnRes `*_res_proj` Linears, which the
+# checkpoint nevertheless stores in bf16 (docs/standin.md: "The real ignore list").
 IGNORE = [
-    "language_model.lm_head",
     "re:.*self_attn.*",
     "re:.*shared_experts.*",
-    r"re:.*mlp\.(gate|up|down)_proj$",
-    r"re:.*routed_expert_(down|up)_proj$",
-    r"re:.*_res_proj$",
-    "re:vision_tower.*",
-    "re:mm_projector.*",
+    r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+    "re:.*lm_head.*",
+    "re:.*vision_tower.*",
+    "re:.*mm_projector.*",
 ]
 
 
@@ -107,7 +108,7 @@ def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
         num_experts_per_token=sizes.top_k,
         moe_intermediate_size=sizes.moe_intermediate_size,
         num_shared_experts=1,
-        latent_moe_dim=sizes.latent,
+        routed_expert_hidden_size=sizes.latent,
         attn_res_block_size=2,
         bos_token_id=special_ids["[BOS]"],
         eos_token_id=special_ids["[EOS]"],
@@ -122,15 +123,26 @@ def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
             "gate_lower_bound": -5.0,
         },
     )
+    text["architectures"] = ["KimiLinearForCausalLM"]
+    text["auto_map"] = {
+        "AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
+        "AutoModel": "modeling_kimi_linear.KimiLinearModel",
+        "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM",
+    }
+    text["dtype"] = "bfloat16"
     vision = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, patch_size=14,
+        vt_hidden_size=64, vt_intermediate_size=128, vt_num_hidden_layers=2, vt_num_attention_heads=4,
+        qkv_hidden_size=96, mm_hidden_size=64, text_hidden_size=sizes.hidden_size, patch_size=14,
         init_pos_emb_height=16, init_pos_emb_width=16,
     )
     return KimiK3Config(
         text_config=text,
         vision_config=vision,
         media_placeholder_token_id=special_ids[tok.IMAGE_TOKEN],
+        bos_token_id=special_ids["[BOS]"],
+        eos_token_id=special_ids["[EOS]"],
         pad_token_id=special_ids["[PAD]"],
+        image_placeholder="<|kimi_image_placeholder|>",  # the processor's prompt marker, as the real config
         architectures=["KimiK3ForConditionalGeneration"],
         auto_map={
             "AutoConfig": "configuration_kimi_k3.KimiK3Config",
@@ -142,9 +154,11 @@ def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
 
 
 def quantization_config() -> dict:
+    """The real checkpoint's `text_config.quantization_config`, field for field."""
     weights = {
         "num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP_SIZE, "strategy": "group",
         "dynamic": False, "actorder": None, "observer": "minmax", "scale_dtype": "torch.uint8",
+        "block_structure": None, "observer_kwargs": {}, "zp_dtype": None,
     }
     return {
         "quant_method": "compressed-tensors",
@@ -160,6 +174,24 @@ def quantization_config() -> dict:
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
+
+
+def with_public_generic_fields(config_dict: dict) -> dict:
+    """`config_dict` plus the generic fields the public config.json carries and transformers 5 does not write
+    (`is_decoder`, `pruned_heads`, `tokenizer_class`, ... as transformers 4.56 serialized them), with the
+    public values, so that config.json has the public file's keys; the generation defaults transformers 5
+    keeps elsewhere (`NOT_KEPT_BY_TRANSFORMERS_5`) stay out."""
+    from modelopt_ext.models.kimi_k3.config_check import NOT_KEPT_BY_TRANSFORMERS_5
+
+    public = json.loads(PUBLIC_CONFIG.read_text())
+    out = json.loads(json.dumps(config_dict))
+    for section in (None, "text_config", "vision_config"):
+        ours, theirs = (out, public) if section is None else (out[section], public[section])
+        skip = NOT_KEPT_BY_TRANSFORMERS_5.get(section, set()) | {"text_config", "vision_config", "quantization_config"}
+        for key, value in theirs.items():
+            if key not in ours and key not in skip:
+                ours[key] = value
+    return out
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -183,7 +215,7 @@ def _values(name: str, shape: torch.Size, seed: int, config: KimiK3Config) -> to
         return randn * 0.5
     if "norm" in leaf[-2] and leaf[-1] == "weight":
         return 1.0 + 0.1 * randn
-    if leaf[-1] == "bias" or name.endswith("pos_emb"):
+    if leaf[-1] == "bias" or name.endswith("pos_emb.weight"):
         return randn * 0.02
     if name.endswith("embed_tokens.weight"):
         return randn
@@ -262,8 +294,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes()
     try:
         special_ids = tok.write_tokenizer(tmp, sizes.vocab_size)
         config = build_config(sizes, special_ids)
-        config_dict = config.to_dict()
-        config_dict["quantization_config"] = quantization_config()
+        config_dict = with_public_generic_fields(config.to_dict())
+        config_dict["text_config"]["quantization_config"] = quantization_config()  # where the real one keeps it
         _write_json(tmp / "config.json", config_dict)
         text = config.text_config
         _write_json(

@@ -189,11 +189,13 @@ class KimiGatedRMSNorm(nn.Module):
         return (of * self.weight.float() * torch.sigmoid(gate.float())).to(gate.dtype)
 
 
-def situ_glu(gate, up, beta: float = 4.0, linear_beta: float = 25.0):
-    """SiTU-GLU in fp32: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`, cast back."""
+def situ_glu(gate, up, beta: float = 4.0, linear_beta: float | None = 25.0):
+    """SiTU-GLU in fp32: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`, cast back
+    (`up` is used as is when `linear_beta` is None)."""
     g, u = gate.float(), up.float()
-    act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-    return act.to(gate.dtype)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * u).to(gate.dtype)
 
 
 def attn_res_mix(candidates, norm: KimiRMSNorm, proj: nn.Linear):
@@ -228,18 +230,31 @@ class KimiShortConv(nn.Module):
         return F.silu(y).transpose(1, 2).to(x_BTD.dtype), full[..., full.shape[-1] - (self.kernel_size - 1):]
 
 
+def situ_params(config: KimiLinearConfig) -> tuple[float, float | None]:
+    """(beta, linear_beta) of SiTU-GLU; an unset beta means 1.0 and an unset linear beta leaves `up` as is."""
+    return config.activation_situ_beta or 1.0, config.activation_situ_linear_beta
+
+
+def glu(config: KimiLinearConfig, gate, up):
+    """The gated activation `hidden_act` names: SiTU-GLU for "situ", else `ACT2FN[hidden_act](gate) * up`."""
+    if config.hidden_act == "situ":
+        beta, linear_beta = situ_params(config)
+        return situ_glu(gate, up, beta, linear_beta)
+    return ACT2FN[config.hidden_act](gate) * up
+
+
 class KimiMLP(nn.Module):
-    """SiLU-GLU MLP (dense layer 0 and the shared experts)."""
+    """GLU MLP with the model's `hidden_act` (SiTU for Kimi-K3): dense layer 0 and the shared experts."""
 
     def __init__(self, config: KimiLinearConfig, intermediate_size: int):
         super().__init__()
+        self.config = config
         self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(glu(self.config, self.gate_proj(x), self.up_proj(x)))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -311,7 +326,8 @@ class KimiDeltaAttention(nn.Module):
 
 
 class KimiMLAAttention(nn.Module):
-    """Multi-head latent attention without RoPE (`mla_use_nope`), with a sigmoid output gate."""
+    """Multi-head latent attention without RoPE (`mla_use_nope`), with a sigmoid output gate when
+    `mla_use_output_gate` is set. The low-rank norms use eps 1e-6 (upstream builds them with its default)."""
 
     def __init__(self, config: KimiLinearConfig, layer_idx: int):
         super().__init__()
@@ -325,12 +341,14 @@ class KimiMLAAttention(nn.Module):
         self.scaling = self.q_head_dim**-0.5
         hidden, h = config.hidden_size, self.num_heads
         self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
-        self.q_a_layernorm = KimiRMSNorm(config.q_lora_rank, eps=config.mla_layernorm_eps)
+        self.q_a_layernorm = KimiRMSNorm(config.q_lora_rank, eps=1e-6)
         self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.q_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = KimiRMSNorm(config.kv_lora_rank, eps=config.mla_layernorm_eps)
+        self.kv_a_layernorm = KimiRMSNorm(config.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
-        self.g_proj = nn.Linear(hidden, h * self.v_head_dim, bias=False)
+        self.use_output_gate = bool(config.mla_use_output_gate)
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(hidden, h * self.v_head_dim, bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=False)
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, **kwargs):
@@ -356,7 +374,8 @@ class KimiMLAAttention(nn.Module):
         scores = scores.masked_fill(~keep, torch.finfo(torch.float32).min)
         attn = torch.matmul(scores.softmax(dim=-1), value.float()).to(hidden_states.dtype)
         attn = attn.transpose(1, 2).reshape(B, S, h * self.v_head_dim)
-        attn = attn * torch.sigmoid(self.g_proj(hidden_states))
+        if self.use_output_gate:
+            attn = attn * torch.sigmoid(self.g_proj(hidden_states))
         return self.o_proj(attn)
 
 
@@ -365,11 +384,15 @@ class KimiMLAAttention(nn.Module):
 
 
 class KimiMoEGate(nn.Module):
-    """Sigmoid router: experts chosen by top-k of score + bias, weighted by the unbiased scores."""
+    """Sigmoid router (`noaux_tc`): experts chosen by top-k of score + bias, weighted by the unbiased scores.
+    With `num_expert_group` > `topk_group` the choice is first limited to the `topk_group` groups whose two
+    best biased scores sum highest."""
 
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
         self.top_k = config.num_experts_per_token
+        self.num_expert_group = config.num_expert_group or 1
+        self.topk_group = config.topk_group or 1
         self.renormalize = config.moe_renormalize
         self.routed_scaling_factor = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
@@ -378,7 +401,15 @@ class KimiMoEGate(nn.Module):
     def forward(self, x_TH):
         """Returns (topk_idx [T, k] int64, topk_weight [T, k] fp32)."""
         scores_TE = F.linear(x_TH.float(), self.weight.float()).sigmoid()
-        _, topk_idx = torch.topk(scores_TE + self.e_score_correction_bias.float(), self.top_k, dim=-1)
+        choice_TE = scores_TE + self.e_score_correction_bias.float()
+        if self.num_expert_group > 1 and self.num_expert_group > self.topk_group:
+            T, E = choice_TE.shape
+            grouped = choice_TE.view(T, self.num_expert_group, E // self.num_expert_group)
+            best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros(T, self.num_expert_group, dtype=torch.bool, device=x_TH.device)
+            keep.scatter_(1, best_groups, True)
+            choice_TE = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+        _, topk_idx = torch.topk(choice_TE, self.top_k, dim=-1)
         topk_weight = scores_TE.gather(1, topk_idx)
         if self.renormalize:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
@@ -386,23 +417,23 @@ class KimiMoEGate(nn.Module):
 
 
 class KimiExpert(nn.Module):
-    """One routed expert at latent width: `w2(situ_glu(w1 x, w3 x))`."""
+    """One routed expert at the experts' width (`routed_expert_hidden_size`): `w2(glu(w1 x, w3 x))`."""
 
-    def __init__(self, config: KimiLinearConfig):
+    def __init__(self, config: KimiLinearConfig, width: int):
         super().__init__()
-        self.w1 = nn.Linear(config.latent_moe_dim, config.moe_intermediate_size, bias=False)
-        self.w3 = nn.Linear(config.latent_moe_dim, config.moe_intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.moe_intermediate_size, config.latent_moe_dim, bias=False)
-        self.beta = config.activation_situ_beta
-        self.linear_beta = config.activation_situ_linear_beta
+        self.config = config
+        self.w1 = nn.Linear(width, config.moe_intermediate_size, bias=False)
+        self.w3 = nn.Linear(width, config.moe_intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.moe_intermediate_size, width, bias=False)
 
     def forward(self, x):
-        return self.w2(situ_glu(self.w1(x), self.w3(x), self.beta, self.linear_beta))
+        return self.w2(glu(self.config, self.w1(x), self.w3(x)))
 
 
 class KimiSparseMoeBlock(nn.Module):
-    """Latent MoE: router on the full width, experts between `routed_expert_down_proj` and `_up_proj`,
-    shared experts on the full-width input."""
+    """Latent MoE: router on the full width, experts at `routed_expert_hidden_size` between
+    `routed_expert_down_proj` and `_up_proj` (at the full width when that key is None), shared experts on
+    the full-width input."""
 
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
@@ -413,11 +444,15 @@ class KimiSparseMoeBlock(nn.Module):
         self.ep_rank = 0
         self.experts_per_rank = config.num_experts
         self.gate = KimiMoEGate(config)
-        self.experts = nn.ModuleList([KimiExpert(config) for _ in range(config.num_experts)])
-        self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.latent_moe_dim, bias=False)
-        if config.latent_moe_use_norm:
-            self.routed_expert_norm = KimiRMSNorm(config.latent_moe_dim, eps=config.rms_norm_eps)
-        self.routed_expert_up_proj = nn.Linear(config.latent_moe_dim, config.hidden_size, bias=False)
+        self.use_latent_moe = config.routed_expert_hidden_size is not None
+        width = config.routed_expert_hidden_size if self.use_latent_moe else config.hidden_size
+        self.use_latent_norm = self.use_latent_moe and bool(config.latent_moe_use_norm)
+        self.experts = nn.ModuleList([KimiExpert(config, width) for _ in range(config.num_experts)])
+        if self.use_latent_moe:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, width, bias=False)
+            if self.use_latent_norm:
+                self.routed_expert_norm = KimiRMSNorm(width, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(width, config.hidden_size, bias=False)
         if config.num_shared_experts:
             self.shared_experts = KimiMLP(config, config.moe_intermediate_size * config.num_shared_experts)
 
@@ -428,10 +463,11 @@ class KimiSparseMoeBlock(nn.Module):
         B, T, H = hidden_states.shape
         x_TH = hidden_states.reshape(-1, H)
         topk_idx, topk_weight = self.gate(x_TH)
-        y_TL = self.moe_infer(self.routed_expert_down_proj(x_TH), topk_idx, topk_weight)
-        if self.config.latent_moe_use_norm:
+        x_TL = self.routed_expert_down_proj(x_TH) if self.use_latent_moe else x_TH
+        y_TL = self.moe_infer(x_TL, topk_idx, topk_weight)
+        if self.use_latent_norm:
             y_TL = self.routed_expert_norm(y_TL)
-        y = self.routed_expert_up_proj(y_TL).view(B, T, H)
+        y = (self.routed_expert_up_proj(y_TL) if self.use_latent_moe else y_TL).view(B, T, H)
         if self.config.num_shared_experts:
             y = y + self.shared_experts(identity)
         return y
@@ -469,7 +505,7 @@ class KimiDynamicCache:
 
     def __init__(self, config: KimiLinearConfig):
         n = config.num_hidden_layers
-        self.mla_layers = [i for i in range(n) if config.is_mla(i)]
+        self.mla_layers = [i for i in range(n) if not config.is_kda_layer(i)]
         self.key_cache = [None] * n
         self.value_cache = [None] * n
         self.conv_states = [None] * n
@@ -513,9 +549,9 @@ class KimiDecoderLayer(nn.Module):
     def __init__(self, config: KimiLinearConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        attn_cls = KimiMLAAttention if config.is_mla(layer_idx) else KimiDeltaAttention
+        attn_cls = KimiDeltaAttention if config.is_kda_layer(layer_idx) else KimiMLAAttention
         self.self_attn = attn_cls(config, layer_idx)
-        self.is_moe = config.is_moe(layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
         if self.is_moe:
             self.block_sparse_moe = KimiSparseMoeBlock(config)
         else:
@@ -548,7 +584,7 @@ class KimiLinearPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["KimiDecoderLayer"]
-    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "conv1d", "e_score_correction_bias"]
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "conv1d", "o_norm", "e_score_correction_bias"]
     _can_compile_fullgraph = False
 
     def _init_weights(self, module):

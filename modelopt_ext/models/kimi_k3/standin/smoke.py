@@ -3,11 +3,14 @@ forwards: the stand-in's smoke test and the first README command until the main 
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
 from modelopt_ext.families import read_config
 
@@ -19,11 +22,32 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 PROMPT = "Describe the picture in one short sentence."
 
 
+def unquantized_modules(model_dir: str, ignore: list[str]) -> list[str]:
+    """Modules the checkpoint stores as plain `.weight` that `ignore` does not name.
+
+    The real Kimi-K3 quantization config targets every Linear but ignores neither the latent projections
+    (`routed_expert_{down,up}_proj`) nor the AttnRes `*_res_proj`, which are stored in bf16: compressed-tensors
+    then expects `weight_packed` for them and leaves them uninitialised (docs/standin.md).
+    """
+    weight_map = json.loads((Path(model_dir) / "model.safetensors.index.json").read_text())["weight_map"]
+    patterns = [re.compile(i[3:]) for i in ignore if i.startswith("re:")]
+    return sorted(
+        key[: -len(".weight")] for key in weight_map
+        if key.endswith(".weight") and key not in ignore and not any(p.match(key[: -len(".weight")]) for p in patterns)
+    )
+
+
 def load_unpatched(model_dir: str, dtype: torch.dtype):
-    """The checkpoint's own remote code, as transformers loads it. compressed-tensors decompresses MXFP4
-    experts to bf16 on first use unless asked to dequantize at load, which fp32 needs."""
+    """The checkpoint's own remote code, as transformers loads it, with the bf16 modules the checkpoint's
+    ignore list misses added to it. compressed-tensors decompresses MXFP4 experts to bf16 on first use unless
+    asked to dequantize at load, which fp32 needs."""
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+    qc = dict(config.quantization_config)
+    qc["ignore"] = list(qc.get("ignore") or []) + unquantized_modules(model_dir, list(qc.get("ignore") or []))
+    config.quantization_config = qc
     kwargs = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dtype == torch.float32 else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, trust_remote_code=True, dtype=dtype,
+                                                 **kwargs)
     return model.eval()
 
 

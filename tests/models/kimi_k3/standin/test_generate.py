@@ -28,7 +28,7 @@ REMOTE_CODE = ("configuration_kimi_k3.py", "modeling_kimi_k3.py", "modeling_kimi
 SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 LAYER_RE = re.compile(r"^language_model\.model\.layers\.(\d+)\.(.+)$")
 EXPERT_RE = re.compile(r"^language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(.+)$")
-FP32_RE = re.compile(r"(\.A_log|\.dt_bias|_conv1d\.weight|\.e_score_correction_bias)$")
+FP32_RE = re.compile(r"(\.A_log|\.dt_bias|_conv1d\.weight|\.o_norm\.weight|\.e_score_correction_bias)$")
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "BOOL": 1}
 NON_LAYER_KEYS = {
     "language_model.model.embed_tokens.weight",
@@ -85,7 +85,7 @@ def _check_layout(path: Path) -> None:
     """Keys, shapes and dtypes of the checkpoint at `path` agree with its own config.json."""
     cfg = _config(path)
     text = cfg["text_config"]
-    n, H, L = text["num_hidden_layers"], text["hidden_size"], text["latent_moe_dim"]
+    n, H, L = text["num_hidden_layers"], text["hidden_size"], text["routed_expert_hidden_size"]
     E, I = text["num_experts"], text["moe_intermediate_size"]
     la = text["linear_attn_config"]
     tensors = _read_tensors(path)
@@ -268,7 +268,7 @@ def test_config_identity(cfg, ckpt):
         assert f"class {cls}(" in (ckpt / f"{module}.py").read_text(), ref
     assert cfg["text_config"]["model_type"] == "kimi_linear"
     vision = cfg["vision_config"]
-    assert isinstance(vision, dict) and vision["hidden_size"] > 0 and vision["num_hidden_layers"] > 0
+    assert isinstance(vision, dict) and vision["vt_hidden_size"] > 0 and vision["vt_num_hidden_layers"] > 0
     tk = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     pad_id = tk.token_to_id("<|media_pad|>")
     assert pad_id is not None
@@ -279,7 +279,7 @@ def test_quantization_config(cfg):
     from compressed_tensors import QuantizationConfig
     from compressed_tensors.config import CompressionFormat
 
-    q = cfg["quantization_config"]
+    q = cfg["text_config"]["quantization_config"]
     assert q["quant_method"] == "compressed-tensors"
     assert q["format"] == "mxfp4-pack-quantized"
     assert CompressionFormat(q["format"]) is CompressionFormat.mxfp4_pack_quantized
@@ -300,25 +300,30 @@ def test_quantization_config(cfg):
     assert raw_w["group_size"] == 32 and raw_w["scale_dtype"] in ("torch.uint8", "uint8")
 
 
-def test_ignore_list_leaves_exactly_the_routed_experts_quantized(ckpt, cfg):
-    """compressed-tensors quantizes every Linear not matched by `ignore`: that must be the routed experts."""
+def test_the_real_ignore_list_misses_the_latent_and_attn_res_projections(ckpt, cfg):
+    """compressed-tensors quantizes every Linear not matched by `ignore`. The real list (kept verbatim) leaves
+    the routed experts and also the latent projections and AttnRes projections, which the checkpoint stores
+    in bf16; `smoke.unquantized_modules` names exactly those for a plain transformers load."""
     from compressed_tensors.utils.match import match_name
 
     from modelopt_ext.models.kimi_k3.standin.configuration_kimi_k3 import KimiK3Config
     from modelopt_ext.models.kimi_k3.standin.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from modelopt_ext.models.kimi_k3.standin.smoke import unquantized_modules
 
     config = KimiK3Config.from_pretrained(str(ckpt))
     with torch.device("meta"):
         model = KimiK3ForConditionalGeneration(config)
-    ignore = cfg["quantization_config"]["ignore"]
+    ignore = cfg["text_config"]["quantization_config"]["ignore"]
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linears
-    quantized = {n for n in linears if not any(match_name(n, t) for t in ignore)}
+    targeted = {n for n in linears if not any(match_name(n, t) for t in ignore)}
     experts = {n for n in linears if EXPERT_RE.match(n + ".weight")}
-    assert experts and quantized == experts
-    # And the stored keys agree: packed weights exactly for the quantized modules.
+    missed = {n for n in linears if re.search(r"(routed_expert_(down|up)_proj|_res_proj)$", n)}
+    assert experts and missed and targeted == experts | missed
     stored = {k[: -len(".weight_packed")] for k in _read_tensors(ckpt) if k.endswith(".weight_packed")}
-    assert stored == quantized
+    assert stored == experts, "only the routed experts are stored packed"
+    extra = set(unquantized_modules(str(ckpt), ignore))
+    assert missed <= extra and not extra & experts
 
 
 def test_default_sizes_meet_the_brief(cfg, tensors):
@@ -334,8 +339,8 @@ def test_default_sizes_meet_the_brief(cfg, tensors):
     assert text["num_experts"] == 16 and text["num_experts_per_token"] == 4
     assert text["num_shared_experts"] >= 1
     assert text["first_k_dense_replace"] == 1
-    assert text["latent_moe_dim"] < text["hidden_size"]
-    for name in ("hidden_size", "latent_moe_dim", "moe_intermediate_size"):
+    assert text["routed_expert_hidden_size"] < text["hidden_size"]
+    for name in ("hidden_size", "routed_expert_hidden_size", "moe_intermediate_size"):
         assert text[name] % 32 == 0, name
     assert {int(m.group(2)) for k in tensors if (m := EXPERT_RE.match(k))} == set(range(16))
 
@@ -367,7 +372,7 @@ def test_no_plain_expert_weights(tensors):
 def test_fp32_tensors(tensors):
     fp32 = {k for k, v in tensors.items() if v["dtype"] == "F32"}
     suffixes = {re.search(FP32_RE, k).group(1) for k in fp32}
-    assert suffixes == {".A_log", ".dt_bias", "_conv1d.weight", ".e_score_correction_bias"}
+    assert suffixes == {".A_log", ".dt_bias", "_conv1d.weight", ".o_norm.weight", ".e_score_correction_bias"}
     for k in fp32:
         if k.endswith("_conv1d.weight"):
             shape = tensors[k]["shape"]
@@ -403,7 +408,7 @@ def test_scales_are_never_nan_byte(ckpt, tensors):
 def test_expert_dequantizes_to_plausible_values(ckpt, cfg, tensors):
     text = cfg["text_config"]
     layer = text["first_k_dense_replace"]
-    for w, in_features in (("w1", text["latent_moe_dim"]), ("w2", text["moe_intermediate_size"])):
+    for w, in_features in (("w1", text["routed_expert_hidden_size"]), ("w2", text["moe_intermediate_size"])):
         stem = f"language_model.model.layers.{layer}.block_sparse_moe.experts.3.{w}."
         packed = _tensor(ckpt, stem + "weight_packed", tensors[stem + "weight_packed"]["shard"])
         scale = _tensor(ckpt, stem + "weight_scale", tensors[stem + "weight_scale"]["shard"])
@@ -548,7 +553,7 @@ def test_custom_sizes_consistent(tmp_path, sizes):
     text = _config(out)["text_config"]
     assert text["num_hidden_layers"] == sizes.num_layers
     assert text["hidden_size"] == sizes.hidden_size
-    assert text["latent_moe_dim"] == sizes.latent
+    assert text["routed_expert_hidden_size"] == sizes.latent
     assert text["moe_intermediate_size"] == sizes.moe_intermediate_size
     assert text["num_experts"] == sizes.num_experts
     assert text["num_experts_per_token"] == sizes.top_k
@@ -561,3 +566,27 @@ def test_custom_sizes_consistent(tmp_path, sizes):
     assert experts == {(i, e) for i in range(1, sizes.num_layers) for e in range(sizes.num_experts)}
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {k: v["shard"] for k, v in tensors.items()}
+
+
+def test_config_json_has_the_public_configs_keys_and_layout(ckpt):
+    """Same keys per section as the public config.json (less what transformers 5 keeps elsewhere), the same
+    value types, and the compressed-tensors config where the real file keeps it: in text_config only."""
+    from modelopt_ext.models.kimi_k3.config_check import NOT_KEPT_BY_TRANSFORMERS_5
+    from modelopt_ext.models.kimi_k3.sizes import BUNDLED_CONFIG
+
+    real = json.loads(BUNDLED_CONFIG.read_text())
+    ours = json.loads((ckpt / "config.json").read_text())
+    assert "quantization_config" not in ours
+    assert ours["text_config"]["quantization_config"] == real["text_config"]["quantization_config"]
+    for section in (None, "text_config", "vision_config"):
+        r, o = (real, ours) if section is None else (real[section], ours[section])
+        expected = set(r) - NOT_KEPT_BY_TRANSFORMERS_5.get(section, set())
+        extra = set(o) - set(r)
+        # transformers 5 writes its generic fields into every sub-config dict; the public vision_config lacks them
+        generic = {"_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "id2label",
+                   "is_encoder_decoder", "label2id", "model_type", "output_attentions", "output_hidden_states",
+                   "problem_type", "return_dict", "transformers_version"}
+        assert expected <= set(o), (section, sorted(expected - set(o)))
+        assert extra <= generic, (section, sorted(extra - generic))
+        for key in expected:
+            assert type(o[key]) is type(r[key]) or r[key] is None or o[key] is None, (section, key)

@@ -1,5 +1,6 @@
 """The stand-in as transformers loads it (trust_remote_code, no adapter): keys, forwards, cache, experts."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -34,8 +35,27 @@ def _tensor(ckpt: Path, key: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("auto_cls", [AutoModelForCausalLM, AutoModel])
+def test_the_real_ignore_list_leaves_the_bf16_projections_unloaded(tiny_ckpt, auto_cls):
+    """As the real checkpoint: compressed-tensors wraps the latent and AttnRes projections (not in `ignore`)
+    and finds their bf16 `.weight` unexpected; nothing else is off."""
+    _, info = auto_cls.from_pretrained(str(tiny_ckpt), trust_remote_code=True, output_loading_info=True)
+    projections = r"(routed_expert_(down|up)_proj|_res_proj)"
+    assert info["missing_keys"] and all(re.search(projections + r"\.weight_(packed|scale)$", k) for k in info["missing_keys"])
+    assert info["unexpected_keys"] and all(re.search(projections + r"\.weight$", k) for k in info["unexpected_keys"])
+
+
+@pytest.mark.parametrize("auto_cls", [AutoModelForCausalLM, AutoModel])
 def test_loads_with_no_missing_or_unexpected_keys(tiny_ckpt, auto_cls):
-    model, info = auto_cls.from_pretrained(str(tiny_ckpt), trust_remote_code=True, output_loading_info=True)
+    from transformers import AutoConfig
+
+    from modelopt_ext.models.kimi_k3.standin.smoke import unquantized_modules
+
+    config = AutoConfig.from_pretrained(str(tiny_ckpt), trust_remote_code=True)
+    qc = dict(config.quantization_config)
+    qc["ignore"] = qc["ignore"] + unquantized_modules(str(tiny_ckpt), qc["ignore"])
+    config.quantization_config = qc
+    model, info = auto_cls.from_pretrained(str(tiny_ckpt), config=config, trust_remote_code=True,
+                                           output_loading_info=True)
     assert type(model).__name__ == "KimiK3ForConditionalGeneration"
     assert type(model).__module__.startswith("transformers_modules."), "must run the checkpoint's own code"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -77,7 +97,7 @@ def test_text_and_image_forwards_are_finite(tiny_ckpt, model_fp32, tokenizer):
 def test_image_placeholder_count_is_checked(model_fp32, tokenizer):
     inputs = text_image_inputs(tokenizer, model_fp32.config, "x", synthetic_image(28, 28))
     inputs["pixel_values"] = torch.cat([inputs["pixel_values"]] * 2)
-    inputs["image_grid_hws"] = torch.cat([inputs["image_grid_hws"]] * 2)
+    inputs["grid_thws"] = torch.cat([inputs["grid_thws"]] * 2)
     with pytest.raises(ValueError, match="1 image placeholder tokens in input_ids but 2 images"):
         model_fp32(**inputs)
 
@@ -109,7 +129,7 @@ def test_cached_decode_matches_uncached_forward(model_fp32, tokenizer, monkeypat
         out = model_fp32(input_ids=ids[:, :prompt_len], use_cache=True, **extra)
         cache = out.past_key_values
         assert type(cache).__name__ == "KimiDynamicCache"
-        kda_layers = sum(not model_fp32.config.text_config.is_mla(i) for i in range(len(cache)))
+        kda_layers = sum(model_fp32.config.text_config.is_kda_layer(i) for i in range(len(cache)))
         assert chunk.calls == kda_layers and recurrent.calls == 0
         merged_len = out.logits.shape[1]
         for step in range(steps):
