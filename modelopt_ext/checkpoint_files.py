@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 from modelopt_ext.export.layout import MAX_HEADER_BYTES, _check_layout
-from modelopt_ext.families import read_config
+from modelopt_ext.families import read_config, source_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _scale_problems(path: Path, config: Mapping[str, Any], entries) -> list[str]
 
     from modelopt_ext.formats.mxfp4 import check_scales
 
-    qc = config.get("quantization_config")
+    qc = source_quantization_config(config)
     if not isinstance(qc, dict) or qc.get("format") != "mxfp4-pack-quantized":
         return []
     by_shard: dict[str, list[str]] = {}

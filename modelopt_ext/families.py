@@ -38,6 +38,8 @@ class FamilySpec:
         default_recipe: the recipe `modelopt-ext ptq` uses without --recipe/--qformat (the production one).
         export_expert_names: ModelOpt's per-expert projection names (gate_proj, up_proj, down_proj) -> the
             names the checkpoint and serving engines use for them (e.g. w1, w3, w2).
+        check_config: `check_config(config_json_mapping, source)` raises ValueError naming every key the
+            family's code needs and lacks, or value it does not implement; run by `family_for_config`.
     """
 
     name: str
@@ -56,6 +58,7 @@ class FamilySpec:
     bundled_configs: Mapping[str, Path] = dataclasses.field(default_factory=dict)
     default_recipe: str | None = None
     export_expert_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    check_config: Callable[[Mapping[str, Any], str], None] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))
@@ -103,6 +106,8 @@ def family_for_config(config: Mapping[str, Any], source: str = "config.json") ->
                 f"{source}: text_config.model_type is {text_type!r}, "
                 f"family {spec.name!r} expects {spec.text_model_type!r}"
             )
+    if spec.check_config is not None:
+        spec.check_config(config, source)
     return spec
 
 
@@ -121,6 +126,15 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
     return config
+
+
+def source_quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's own quantization config: top level, or where a multimodal config keeps it, in its
+    `text_config` (Kimi-K3's config.json has it only there; its remote code copies it up at load)."""
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), Mapping):
+        qc = config["text_config"].get("quantization_config")
+    return qc
 
 
 def experts_module_glob(spec: FamilySpec) -> str:

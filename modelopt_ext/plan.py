@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from modelopt_ext.families import FamilySpec, families, family_for_config, read_config
+from modelopt_ext.families import FamilySpec, families, family_for_config, read_config, source_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ GIB, GB = 2**30, 10**9
 
 def stored_expert_storage(config: Mapping[str, Any]) -> str:
     """"mxfp4" when the checkpoint's quantization_config format is MXFP4 packed, else "dense"."""
-    quant = config.get("quantization_config") or {}
+    quant = source_quantization_config(config) or {}
     return "mxfp4" if quant.get("format") == MXFP4_FORMAT else "dense"
 
 

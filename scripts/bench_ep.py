@@ -84,7 +84,7 @@ class Config:  # the fields KimiK3Experts reads
 
     def __init__(self, args):
         self.num_experts = args.local_experts
-        self.latent_moe_dim = args.hidden
+        self.routed_expert_hidden_size = args.hidden
         self.moe_intermediate_size = args.inter
 
 

@@ -40,7 +40,7 @@ TOLERANCE = 2e-2  # max |gpu - cpu| / max |cpu|: bf16 inputs, weights and output
 
 
 class Config:
-    num_experts, latent_moe_dim, moe_intermediate_size = E, H, I
+    num_experts, routed_expert_hidden_size, moe_intermediate_size = E, H, I
     activation_situ_beta, activation_situ_linear_beta, initializer_range = 4.0, 25.0, 0.02
     _experts_implementation = "eager"
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job on GPUs: a mid-size stand-in (Kimi-K3 per-rank expert shapes: latent 3072, expert width
-# 3584, 14 experts per rank at EP2) calibrated and exported at EP1 (one GPU) and EP2 (two GPUs, NCCL);
+# The main job on GPUs: a mid-size stand-in (Kimi-K3's expert shapes in their real roles: latent width
+# routed_expert_hidden_size 3584, expert width moe_intermediate_size 3072, so w1/w3 [3072, 3584] and w2
+# [3584, 3072]; 14 experts per rank at EP2) calibrated and exported at EP1 (one GPU) and EP2 (two GPUs, NCCL);
 # summaries, verify output and the byte comparison of the two exports go to $OUT (default ./gpu_out).
 # Wheels missing from the machine are installed from .whl/ when present.
 set -euo pipefail
@@ -12,8 +13,8 @@ if [ -d .whl ]; then
 fi
 export HF_HUB_OFFLINE=1 HF_MODULES_CACHE=/tmp/hf_modules
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU"; } | tee "$OUT/gpus.txt"
-[ -f /tmp/mid/config.json ] || python3 -m modelopt_ext make-tiny kimi_k3 /tmp/mid --force --num-layers 4 --hidden-size 4096 --latent-size 3072 \
-  --moe-intermediate-size 3584 --num-experts 28 --top-k 8 --vocab-size 8192
+[ -f /tmp/mid/config.json ] || python3 -m modelopt_ext make-tiny kimi_k3 /tmp/mid --force --num-layers 4 --hidden-size 4096 --latent-size 3584 \
+  --moe-intermediate-size 3072 --num-experts 28 --top-k 8 --vocab-size 8192
 # The embedded calibration set is a few thousand tokens: repeat the stand-in's corpus (shuffled lines) so
 # every rank gets full 2048-token blocks (60 copies: about 172k tokens; CORPUS_COPIES=800 for 2M).
 python3 - <<'PY'

@@ -119,6 +119,13 @@ def _read_quant_spec(export_dir: Path, problems: list[str]) -> _QuantSpec:
     hf = _load_json(export_dir / HF_QUANT_CONFIG_NAME, problems)
     config = _load_json(export_dir / "config.json", problems)
     qc = config.get("quantization_config") if isinstance(config, dict) else None
+    nested = (config.get("text_config") or {}).get("quantization_config") if isinstance(config, dict) else None
+    if nested is not None:
+        problems.append(
+            "config.json text_config.quantization_config is still set (quant_method "
+            f"{nested.get('quant_method') if isinstance(nested, dict) else nested!r}): engines that read the text "
+            "config would take the export for the source's format"
+        )
     where = HF_QUANT_CONFIG_NAME
     if hf is not None:
         q = hf.get("quantization") if isinstance(hf, dict) else None

@@ -20,6 +20,7 @@ Unquantized tensors keep the source checkpoint's dtype and bytes (a model loaded
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -211,6 +212,17 @@ class _UnitExporter:
             self.bytes_written += t.numel() * t.element_size()
 
 
+def exported_config(source: dict, quantization_config: dict) -> dict:
+    """The source's config.json describing the export: `quantization_config` replaced at the top level, and
+    the source's own one removed where a multimodal config nests it (Kimi-K3 keeps its compressed-tensors
+    MXFP4 config in `text_config`); left there, it would claim the exported weights are still MXFP4."""
+    config = copy.deepcopy(source)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    config["quantization_config"] = quantization_config
+    return config
+
+
 def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
               quant_config: dict, api, write_extra) -> tuple[int, int]:
     weight_map: dict[str, str] = {}
@@ -227,8 +239,7 @@ def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[di
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     copy_source_files(source_dir, staging)
-    config = read_config(source_dir)
-    config["quantization_config"] = api.convert_quant_config(quant_config)
+    config = exported_config(read_config(source_dir), api.convert_quant_config(quant_config))
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (staging / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
     if write_extra is not None:

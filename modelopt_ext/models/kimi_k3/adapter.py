@@ -23,9 +23,10 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from modelopt_ext.ep.backend import capture_ep_forwards
 from modelopt_ext.ep.sharding import count_checkpoint_reads, localize_replicated_params
-from modelopt_ext.families import read_config
+from modelopt_ext.families import read_config, source_quantization_config
 from modelopt_ext.formats.mxfp4 import check_scales
 from modelopt_ext.lock import check_remote_code, load_lock
+from modelopt_ext.models.kimi_k3.config_check import check_config
 from modelopt_ext.versions import check_min_versions
 from modelopt_ext.warmup import Warmup
 
@@ -63,7 +64,7 @@ class Prepared:
 
 def expert_storage_of(config: dict[str, Any], source: str) -> str:
     """"mxfp4" for the upstream compressed-tensors MXFP4 experts, "dense" without a quantization config."""
-    qc = config.get("quantization_config")
+    qc = source_quantization_config(config)
     if qc is None:
         return "dense"
     groups = qc.get("config_groups") or {}
@@ -111,6 +112,10 @@ def prepare(path: str | Path, remote_code_lock: str | Path | None = None, **kwar
     config = read_config(path)
     _check_call(path, kwargs)
     source = str(path / "config.json")
+    try:
+        check_config(config, source)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     auto_ref = (config.get("auto_map") or {}).get("AutoModelForCausalLM")
     if auto_ref != MM_CLASS_REF:
         raise CheckpointError(f"{source}: auto_map.AutoModelForCausalLM is {auto_ref!r}, expected {MM_CLASS_REF!r}")
@@ -122,7 +127,7 @@ def prepare(path: str | Path, remote_code_lock: str | Path | None = None, **kwar
     missing = missing_classes(text_module, mm_module)
     if missing:
         raise CheckpointError(f"the checkpoint's remote code lacks the classes the adapter patches: {missing}")
-    return Prepared(path, model_class, text_module, mm_module, storage, config.get("quantization_config"))
+    return Prepared(path, model_class, text_module, mm_module, storage, source_quantization_config(config))
 
 
 def _strict_loading_info(info: dict[str, Any], path: Path) -> None:
@@ -262,8 +267,9 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
         apply_patches(prepared.text_module, prepared.mm_module, KimiHybridCache)
         apply_kda_patch(prepared.text_module, kda_plan)
         config = prepared.model_class.config_class.from_pretrained(str(prepared.path))
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the adapter reads the MXFP4 experts itself
+        for holder in (config, config.get_text_config()):
+            if hasattr(holder, "quantization_config"):
+                del holder.quantization_config  # the adapter reads the MXFP4 experts itself
         warm = None
         if warmup_tokens is not None and (distribution_plan is None or warmup_fits(distribution_plan, config)):
             device = warmup_device(device_map, on_gpu, torch.cuda.current_device() if on_gpu else 0)

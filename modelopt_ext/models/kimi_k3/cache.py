@@ -185,7 +185,7 @@ class KimiHybridCache(Cache):
     def __init__(self, config, max_cache_len: int | None = None):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n = text_config.num_hidden_layers
-        self.mla_layers = [i for i in range(n) if text_config.is_mla(i)]
+        self.mla_layers = [i for i in range(n) if not text_config.is_kda_layer(i)]
         self.max_cache_len = max_cache_len
         layers = [
             KimiMLALayer(i, max_cache_len) if i in self.mla_layers else LinearAttentionLayer(NUM_CONV_STATES)

@@ -1,7 +1,7 @@
 """Fused routed experts of Kimi-K3, driven by transformers' experts-implementation mechanism.
 
 Shapes: T routed tokens, k top-k, E experts (local experts under EP), L latent width (the experts' model
-width, `latent_moe_dim`), I expert width (`moe_intermediate_size`), B packed bytes (= in_features / 2),
+width, `routed_expert_hidden_size`), I expert width (`moe_intermediate_size`), B packed bytes (= in_features / 2),
 G scale groups (= in_features / 32).
 
 Layout (transformers' fused convention, not transposed): `gate_up_proj` [E, 2I, L] holds each expert's
@@ -106,7 +106,7 @@ class _FusedExpertsBase(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.num_experts
-        self.hidden_dim = config.latent_moe_dim
+        self.hidden_dim = config.routed_expert_hidden_size
         self.intermediate_dim = config.moe_intermediate_size
         self.situ_beta = config.activation_situ_beta
         self.situ_linear_beta = config.activation_situ_linear_beta

@@ -70,10 +70,11 @@ def make_fused_block_class(text_module: ModuleType) -> type[nn.Module]:
             self.top_k = config.num_experts_per_token
             self.gate = gate_cls(config)
             self.experts = EXPERT_STORAGES[_EXPERT_STORAGE.get()](config)
-            self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.latent_moe_dim, bias=False)
+            width = config.routed_expert_hidden_size
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, width, bias=False)
             if config.latent_moe_use_norm:
-                self.routed_expert_norm = norm_cls(config.latent_moe_dim, eps=config.rms_norm_eps)
-            self.routed_expert_up_proj = nn.Linear(config.latent_moe_dim, config.hidden_size, bias=False)
+                self.routed_expert_norm = norm_cls(width, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(width, config.hidden_size, bias=False)
             if config.num_shared_experts:
                 self.shared_experts = mlp_cls(config, config.moe_intermediate_size * config.num_shared_experts)
 

@@ -6,24 +6,11 @@ instantiation of that code for two tiny configs. Nothing here builds a model or 
 
 Storage as the checkpoint holds it: routed experts MXFP4 (compressed-tensors `mxfp4-pack-quantized`: per
 row of `in` inputs, in/2 packed bytes and in/32 E8M0 scale bytes) or bf16; `A_log`, `dt_bias`, the KDA
-conv weights and the router bias fp32; everything else bf16.
+conv weights, the KDA output norm `o_norm` and the router bias fp32; everything else bf16.
 
-`kimi_k3_config.json` (next to this file) is the full-size config.json, produced once with:
-
-    from modelopt_ext.models.kimi_k3.standin.configuration_kimi_k3 import KimiK3Config
-    from modelopt_ext.models.kimi_k3.standin.generate import quantization_config
-    config = KimiK3Config(                      # class defaults are the real sizes; 24 MLA of 93 layers
-        architectures=["KimiK3ForConditionalGeneration"],
-        auto_map={"AutoConfig": "configuration_kimi_k3.KimiK3Config",
-                  "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-                  "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"},
-        dtype="bfloat16",
-    )                                           # media_placeholder_token_id defaults to 163605
-    d = config.to_dict(); d.pop("transformers_version", None)
-    d["quantization_config"] = quantization_config()
-    Path("kimi_k3_config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\\n")
-
-Token ids other than the image placeholder are left at the config classes' defaults (not needed to plan).
+`kimi_k3_config.json` (next to this file) is the public config.json of moonshotai/Kimi-K3, key for key
+(docs/standin.md lists where it comes from); its compressed-tensors `quantization_config` sits in
+`text_config`, as the real file has it.
 """
 
 from __future__ import annotations
@@ -65,19 +52,20 @@ class _Text:
         self.q_rank, self.kv_rank = g("q_lora_rank"), g("kv_lora_rank")
         self.nope, self.rope, self.v_dim = g("qk_nope_head_dim"), g("qk_rope_head_dim"), g("v_head_dim")
         self.E, self.top_k, self.I = g("num_experts"), g("num_experts_per_token"), g("moe_intermediate_size")
-        self.L, self.latent_norm = g("latent_moe_dim"), g("latent_moe_use_norm")
+        self.L, self.latent_norm = g("routed_expert_hidden_size"), g("latent_moe_use_norm")
         self.shared = g("num_shared_experts")
         self.first_dense, self.freq = g("first_k_dense_replace"), g("moe_layer_freq")
         self.tied = bool(t.get("tie_word_embeddings", False))
         self.attn_res_block = g("attn_res_block_size")
+        self.output_gate = bool(t.get("mla_use_output_gate", False))
         lac = g("linear_attn_config")
-        self.full_attn = set(_get(lac, "full_attn_layers", "linear_attn_config"))
+        self.kda_layers = set(_get(lac, "kda_layers", "linear_attn_config"))
         self.kda_heads = _get(lac, "num_heads", "linear_attn_config")
         self.kda_dim = _get(lac, "head_dim", "linear_attn_config")
         self.conv_k = _get(lac, "short_conv_kernel_size", "linear_attn_config")
 
     def is_mla(self, i: int) -> bool:
-        return (i + 1) in self.full_attn
+        return (i + 1) not in self.kda_layers  # the real code: KDA iff listed in kda_layers, else MLA
 
     def is_moe(self, i: int) -> bool:
         return i >= self.first_dense and i % self.freq == 0
@@ -93,8 +81,8 @@ class _Text:
     # Per-layer counts: (bf16 params, fp32 params).
     def kda(self) -> tuple[int, int]:
         H, P, d = self.H, self.kda_heads * self.kda_dim, self.kda_dim
-        bf16 = 3 * H * P + H * d + d * P + H * self.kda_heads + H * P + d + P * H  # q/k/v, f_a, f_b, b, g, o_norm, o
-        fp32 = 3 * P * self.conv_k + max(self.kda_heads, d) + P  # conv1d x3, A_log (padded), dt_bias
+        bf16 = 3 * H * P + H * d + d * P + H * self.kda_heads + H * P + P * H  # q/k/v, f_a, f_b, b, g, o
+        fp32 = 3 * P * self.conv_k + max(self.kda_heads, d) + P + d  # conv1d x3, A_log (padded), dt_bias, o_norm
         return bf16, fp32
 
     def mla(self) -> int:
@@ -102,7 +90,7 @@ class _Text:
         return (
             H * self.q_rank + self.q_rank + self.q_rank * h * (self.nope + self.rope)
             + H * (self.kv_rank + self.rope) + self.kv_rank + self.kv_rank * h * (self.nope + self.v_dim)
-            + H * h * self.v_dim + h * self.v_dim * H
+            + (H * h * self.v_dim if self.output_gate else 0) + h * self.v_dim * H  # g_proj, o_proj
         )
 
     def moe_dense(self) -> dict[str, int]:
@@ -130,18 +118,21 @@ class _Text:
 
 
 def _vision(config: Mapping[str, Any]) -> tuple[int, int]:
-    """(vision tower params, mm_projector params)."""
+    """(vision tower params, mm_projector params) of the MoonViT tower and the patchmergerv2 projector."""
     v = _get(config, "vision_config", "config.json")
     g = lambda key: _get(v, key, "vision_config")  # noqa: E731
-    D, inter, p = g("hidden_size"), g("intermediate_size"), g("patch_size")
-    block = 2 * 2 * D + 3 * D * D + 3 * D + D * D + D + D * inter + inter + inter * D + D
-    tower = (
-        g("num_channels") * D * p * p + D + g("init_pos_emb_height") * g("init_pos_emb_width") * D
-        + g("num_hidden_layers") * block + 2 * D
-    )
+    D, inter, p = g("vt_hidden_size"), g("vt_intermediate_size"), g("patch_size")
+    Q = D if g("qkv_hidden_size") is None else g("qkv_hidden_size")
+    norm = D if g("norm_type") == "rmsnorm" else 2 * D  # LayerNorm adds a bias
+    attn_bias, mlp_bias = bool(g("attn_bias")), bool(g("linear_bias"))
+    attention = D * 3 * Q + Q * D + (3 * Q + D if attn_bias else 0)  # wqkv, wo
+    mlp = 2 * D * inter + (inter + D if mlp_bias else 0)  # fc0, fc1
+    patch_embed = 3 * D * p * p + (D if g("patch_embed_proj_bias") else 0)
+    pos_emb = g("init_pos_emb_height") * g("init_pos_emb_width") * D
+    tower = patch_embed + pos_emb + g("vt_num_hidden_layers") * (2 * norm + attention + mlp) + norm
     kh, kw = g("merge_kernel_size")
-    merged, H = D * kh * kw, _get(config["text_config"], "hidden_size", "text_config")
-    return tower, merged * merged + merged + merged * H + H + H
+    merged, H = g("mm_hidden_size") * kh * kw, _get(config["text_config"], "hidden_size", "text_config")
+    return tower, merged * merged + merged * H + H  # proj.0, proj.2 (no biases), post_norm
 
 
 def parameter_counts(config: Mapping[str, Any]) -> dict[str, int]:
@@ -178,7 +169,7 @@ def expert_bytes(config: Mapping[str, Any], storage: str) -> int:
         return n * 3 * t.I * t.L * BF16
     if storage != "mxfp4":
         raise ValueError(f"expert storage {storage!r} is not one of 'mxfp4', 'dense'")
-    for name, width in (("latent_moe_dim", t.L), ("moe_intermediate_size", t.I)):
+    for name, width in (("routed_expert_hidden_size", t.L), ("moe_intermediate_size", t.I)):
         if width % MXFP4_GROUP:
             raise ValueError(f"MXFP4 experts need {name} ({width}) divisible by the group size {MXFP4_GROUP}")
     row = lambda width: width // 2 + width // MXFP4_GROUP  # noqa: E731

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from modelopt_ext.families import FamilySpec, register_family
 
+from .config_check import check_config
 from .convert import expert_converters
 from .sizes import BUNDLED_CONFIG, plan_sizes
 
@@ -34,7 +35,7 @@ def quantizer_exclusions(config) -> tuple[str, ...]:
     they keep `o_proj` in every layer.
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kda_layers = [i for i in range(text.num_hidden_layers) if not text.is_mla(i)]
+    kda_layers = [i for i in range(text.num_hidden_layers) if text.is_kda_layer(i)]
     patterns = [
         "*block_sparse_moe.gate*",
         "*conv1d*",
@@ -96,5 +97,6 @@ KIMI_K3 = register_family(
         bundled_configs={"kimi-k3": BUNDLED_CONFIG},
         default_recipe="kimi_k3/nvfp4_experts-fp8_attention",
         export_expert_names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+        check_config=check_config,
     )
 )

@@ -45,7 +45,7 @@ def warmup_config(config):
         if isinstance(value, int) and value >= text.vocab_size:
             setattr(text, name, 0)
     if getattr(cfg, "vision_config", None) is not None:
-        cfg.vision_config.num_hidden_layers = 1
+        cfg.vision_config.vt_num_hidden_layers = 1
     return cfg
 
 
