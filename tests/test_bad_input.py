@@ -119,6 +119,28 @@ def test_config_sizes_that_contradict_the_shard_headers(tiny_ckpt, tmp_path, loa
     assert "config.json: text_config.num_experts is 20, but the shard headers hold 16 routed experts (ids 0..15)" in err
 
 
+@pytest.mark.parametrize("key, value, expected", [
+    ("hidden_act", "silu", "text_config.hidden_act is 'silu'; supported: ['situ']"),
+    ("topk_method", "group_limited_greedy", "text_config.topk_method is 'group_limited_greedy'; supported: ['noaux_tc']"),
+    ("num_expert_group", 2, "text_config.num_expert_group is 2; supported: [1]"),
+    ("routed_expert_hidden_size", None, "text_config.routed_expert_hidden_size is missing"),
+])
+def test_a_config_value_the_adapter_does_not_implement(tiny_ckpt, tmp_path, loads, capsys, key, value, expected):
+    """Another activation, router or expert grouping, or a config without the real latent-width key: refused
+    in validate naming key, value and what is supported; the checkpoint is left as it was."""
+    model = copy_checkpoint(tiny_ckpt, tmp_path, f"config_{key}")
+    config = json.loads((model / "config.json").read_text())
+    if value is None:
+        del config["text_config"][key]
+    else:
+        config["text_config"][key] = value
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    before = (model / "config.json").read_bytes()
+    err = _refused_in_validate(capsys, loads, model, tmp_path / "out")
+    assert f"{model / 'config.json'} is not a Kimi-K3 config modelopt_ext supports: " in err and expected in err
+    assert (model / "config.json").read_bytes() == before
+
+
 @pytest.mark.parametrize("damage", ["missing tokenizer_config.json", "truncated tokenizer.json"])
 def test_tokenizer_files_are_named(tiny_ckpt, tmp_path, loads, capsys, damage):
     model = copy_checkpoint(tiny_ckpt, tmp_path, "tokenizer_" + damage.split()[0])

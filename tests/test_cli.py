@@ -57,7 +57,7 @@ def test_make_tiny_size_flags_reach_the_config(tmp_path, capsys):
     text = json.loads((out / "config.json").read_text())["text_config"]
     assert (text["num_hidden_layers"], text["hidden_size"], text["num_experts"], text["num_experts_per_token"]) == (
         4, 64, 8, 2)
-    assert (text["latent_moe_dim"], text["moe_intermediate_size"], text["vocab_size"]) == (32, 96, 400)
+    assert (text["routed_expert_hidden_size"], text["moe_intermediate_size"], text["vocab_size"]) == (32, 96, 400)
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     experts = {m.groups() for k in weight_map if (m := re.search(r"layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.", k))}
     assert experts == {(str(i), str(e)) for i in range(1, 4) for e in range(8)}

@@ -223,6 +223,15 @@ def test_manifest_written_then_checked(fp8, tmp_path):
     assert verify_export(export).manifest == "checked"
 
 
+def test_a_nested_source_quantization_config_is_a_problem(fp8, tmp_path):
+    export = _copy(fp8[1], tmp_path)
+    config = json.loads((export / "config.json").read_text())
+    config["text_config"]["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    (export / "config.json").write_text(json.dumps(config))
+    problems = _problems(export)
+    assert any("text_config.quantization_config is still set (quant_method compressed-tensors)" in p for p in problems)
+
+
 def test_invalid_export_gets_no_manifest(fp8, tmp_path):
     export = _copy(fp8[1], tmp_path)
     (export / MANIFEST_NAME).unlink()  # as ModelOpt's own exporter leaves it

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from modelopt_ext.export.manifest import MANIFEST_NAME
-from modelopt_ext.export.writer import ExportDirError, check_export_dir
+from modelopt_ext.export.writer import ExportDirError, check_export_dir, exported_config
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 from modelopt_ext.testing.export_bodies import calibrate_and_export
 from modelopt_ext.testing.multiproc import run_ranks
@@ -60,6 +60,10 @@ def test_single_process_export_layout(single, source):
     assert hf["quantization"]["quant_algo"] == "MIXED_PRECISION"
     assert hf["quantization"]["quantized_layers"][experts]["quant_algo"] == "NVFP4"
     assert config["quantization_config"]["quant_method"] == "modelopt"
+    # the source's compressed-tensors MXFP4 config lives in text_config, as Kimi-K3's does; it must go
+    assert json.loads((source / "config.json").read_text())["text_config"]["quantization_config"]["format"] == (
+        "mxfp4-pack-quantized")
+    assert "quantization_config" not in config["text_config"]
     for name in ("modeling_kimi_k3.py", "modeling_kimi_linear.py", "configuration_kimi_k3.py", "tokenizer.json",
                  "coverage.json", MANIFEST_NAME):
         assert (export / name).is_file(), name
@@ -163,3 +167,12 @@ def test_unquantized_experts_are_refused_before_writing(source, tmp_path):
     with pytest.raises(ValueError, match=r"routed experts of layers \[1, 2, 3, 4, 5\] .* are not quantized"):
         export_checkpoint(model, tmp_path / "export", source_dir=source)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exported_config_replaces_top_level_and_drops_nested_quantization_config():
+    source = {"model_type": "m", "text_config": {"hidden_size": 8, "quantization_config": {"format": "mxfp4"}},
+              "quantization_config": {"quant_method": "compressed-tensors"}}
+    out = exported_config(source, {"quant_method": "modelopt"})
+    assert out == {"model_type": "m", "text_config": {"hidden_size": 8}, "quantization_config": {"quant_method": "modelopt"}}
+    assert source["text_config"]["quantization_config"] == {"format": "mxfp4"}, "the source mapping is not mutated"
+    assert exported_config({"a": 1}, {"q": 2}) == {"a": 1, "quantization_config": {"q": 2}}

@@ -530,7 +530,7 @@ def test_family_exclusions_skip_globs_already_in_effect(checkpoint):
     per_layer = [e["quantizer_name"] for e in cfg if ".self_attn." in e["quantizer_name"] and "layers." in
                  e["quantizer_name"]]
     text = config.get_text_config()
-    kda = [i for i in range(text.num_hidden_layers) if not text.is_mla(i)]
+    kda = [i for i in range(text.num_hidden_layers) if text.is_kda_layer(i)]
     # only g_proj, for exactly the KDA layers; f_a/f_b/b: the unit's globs cover them
     assert per_layer and all(p.endswith(".self_attn.g_proj*") for p in per_layer)
     for i in range(text.num_hidden_layers):
@@ -568,7 +568,7 @@ def test_skipped_family_globs_leave_every_quantizer_as_it_was(checkpoint, name):
         else:  # as before: the family's static globs, then one glob per KDA layer and projection
             text = model.config.get_text_config()
             static = [p for p in R._family(model.config).quantizer_exclusions(model.config) if "layers." not in p]
-            per_layer = [f"*layers.{i}.self_attn.{leaf}*" for i in range(text.num_hidden_layers) if not text.is_mla(i)
+            per_layer = [f"*layers.{i}.self_attn.{leaf}*" for i in range(text.num_hidden_layers) if text.is_kda_layer(i)
                          for leaf in ("f_a_proj", "f_b_proj", "b_proj", "g_proj")]
             cfg = cfg + [{"quantizer_name": p, "enable": False} for p in static + per_layer]
         replace_quant_module(model)

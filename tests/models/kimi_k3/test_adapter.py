@@ -86,7 +86,8 @@ def test_logits_match_unpatched_in_fp32(ckpts, reference_fp32, tokenizer, impl, 
         ref = reference_fp32(**inputs, use_cache=False).logits
         out = model(**inputs, use_cache=False).logits
     assert out.shape == ref.shape
-    assert (out - ref).abs().max().item() <= 1e-5
+    # fp32 summation order only: the same math, within 1e-5 of the largest logit
+    assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
 def test_bf16_block_parity_and_model_error_budget(ckpts, reference_fp32, tokenizer):
@@ -117,8 +118,10 @@ def test_greedy_generation_matches_unpatched(adapted_fp32, reference_fp32, token
         for _ in range(16):  # the unpatched model's greedy decode, recomputed without a cache
             nxt = reference_fp32(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
-    assert out.shape[1] == prompt.shape[1] + 16
-    assert torch.equal(out, seq)
+    # generate stops at the end-of-sequence token; up to there it is the unpatched model's greedy decode
+    eos = adapted_fp32.generation_config.eos_token_id
+    assert out.shape[1] == prompt.shape[1] + 16 or out[0, -1].item() == eos
+    assert torch.equal(out, seq[:, : out.shape[1]])
 
 
 def test_cached_decode_uses_hybrid_cache_without_reallocation(adapted_fp32, tokenizer):

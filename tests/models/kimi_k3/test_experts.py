@@ -24,7 +24,7 @@ IMPLS = ("eager", "grouped_mm", "batched_mm")
 
 
 def make_config(impl: str | None = None, **overrides) -> KimiLinearConfig:
-    kw = dict(num_hidden_layers=2, hidden_size=64, num_experts=E, latent_moe_dim=L, moe_intermediate_size=I,
+    kw = dict(num_hidden_layers=2, hidden_size=64, num_experts=E, routed_expert_hidden_size=L, moe_intermediate_size=I,
               num_experts_per_token=2)
     kw.update(overrides)
     config = KimiLinearConfig(**kw)
@@ -226,7 +226,7 @@ def test_packed_resident_parameters_are_uint8_bytes():
 
 def test_packed_refuses_widths_off_the_group():
     with pytest.raises(ValueError, match="48"):
-        KimiK3PackedExperts(make_config(None, latent_moe_dim=48))
+        KimiK3PackedExperts(make_config(None, routed_expert_hidden_size=48))
 
 
 @pytest.mark.parametrize("materialize", [False, True], ids=["on-access", "materialized"])

@@ -288,7 +288,7 @@ def small_config(**overrides) -> KimiLinearConfig:
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
         q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         num_experts=8, num_experts_per_token=3, moe_intermediate_size=32, num_shared_experts=1,
-        latent_moe_dim=32, attn_res_block_size=2, routed_scaling_factor=2.5,
+        routed_expert_hidden_size=32, attn_res_block_size=2, routed_scaling_factor=2.5,
         linear_attn_config={"full_attn_layers": [3], "kda_layers": [1, 2], "num_heads": 2, "head_dim": 8,
                             "short_conv_kernel_size": 4, "use_full_rank_gate": True, "gate_lower_bound": -5.0},
     )

@@ -39,11 +39,11 @@ def _edit_config(checkpoint, **changes):
     path = checkpoint / "config.json"
     config = json.loads(path.read_text())
     for key, value in changes.items():
-        node, *rest = key.split("__")
-        if rest:
-            config[node][rest[0]] = value
-        else:
-            config[node] = value
+        *path_keys, leaf = key.split("__")
+        node = config
+        for k in path_keys:
+            node = node[k]
+        node[leaf] = value
     path.write_text(json.dumps(config))
 
 
@@ -107,7 +107,7 @@ def test_auto_map_must_name_the_multimodal_class(ckpt):
 
 
 def test_unsupported_quantization_format(ckpt):
-    _edit_config(ckpt, quantization_config__format="nvfp4-pack-quantized")
+    _edit_config(ckpt, text_config__quantization_config__format="nvfp4-pack-quantized")
     with pytest.raises(CheckpointError, match="format='nvfp4-pack-quantized'"):
         _load(ckpt)
     assert_untouched(ckpt)

@@ -10,6 +10,7 @@ import torch
 
 from modelopt_ext.families import family_for_config
 from modelopt_ext.models.kimi_k3 import sizes as S
+from modelopt_ext.models.kimi_k3.config_check import NOT_KEPT_BY_TRANSFORMERS_5
 from modelopt_ext.models.kimi_k3.standin import tokenizer as tok
 from modelopt_ext.models.kimi_k3.standin.configuration_kimi_k3 import KimiK3Config
 from modelopt_ext.models.kimi_k3.standin.generate import (
@@ -26,7 +27,7 @@ SPECIAL_IDS = {"[BOS]": 1, "[EOS]": 2, "[PAD]": 0, tok.IMAGE_TOKEN: 3}
 
 def _default_config() -> dict:
     d = build_config(TinySizes(), SPECIAL_IDS).to_dict()
-    d["quantization_config"] = quantization_config()
+    d["text_config"]["quantization_config"] = quantization_config()
     return d
 
 
@@ -43,9 +44,12 @@ def _other_config() -> dict:
         linear_attn_config={"full_attn_layers": [2, 5], "kda_layers": [1, 3, 4], "num_heads": 6, "head_dim": 4,
                             "short_conv_kernel_size": 3, "use_full_rank_gate": True, "gate_lower_bound": -5.0},
     )
-    d["vision_config"].update(hidden_size=32, intermediate_size=48, num_hidden_layers=1, patch_size=7,
-                              merge_kernel_size=[2, 1], init_pos_emb_height=8, init_pos_emb_width=6)
-    d["quantization_config"] = quantization_config()
+    d["text_config"]["mla_use_output_gate"] = False
+    d["vision_config"].update(vt_hidden_size=32, mm_hidden_size=32, vt_intermediate_size=48, vt_num_hidden_layers=1,
+                              vt_num_attention_heads=2, qkv_hidden_size=None, patch_size=7, merge_kernel_size=[2, 1],
+                              init_pos_emb_height=8, init_pos_emb_width=6, norm_type="layernorm", attn_bias=True,
+                              linear_bias=True, patch_embed_proj_bias=True)
+    d["text_config"]["quantization_config"] = quantization_config()
     return d
 
 
@@ -124,7 +128,7 @@ def test_stored_bytes_equal_the_tiny_checkpoint(tiny_ckpt):
 
 def test_unquantized_checkpoint_stores_bf16_experts():
     config = _default_config()
-    del config["quantization_config"]
+    del config["text_config"]["quantization_config"]
     assert S.plan_sizes(config)["expert_bytes"] == S.expert_bytes(config, "dense")
 
 
@@ -132,8 +136,8 @@ def test_refusals_name_the_value():
     config = _default_config()
     with pytest.raises(ValueError, match="'fp8'"):
         S.expert_bytes(config, "fp8")
-    config["text_config"]["latent_moe_dim"] = 40
-    with pytest.raises(ValueError, match=r"latent_moe_dim \(40\).*group size 32"):
+    config["text_config"]["routed_expert_hidden_size"] = 40
+    with pytest.raises(ValueError, match=r"routed_expert_hidden_size \(40\).*group size 32"):
         S.expert_bytes(config, "mxfp4")
     del config["text_config"]["num_experts"]
     with pytest.raises(ValueError, match="'num_experts'"):
@@ -155,7 +159,8 @@ def test_bundled_config_is_the_real_model(full):
     assert full["architectures"] == ["KimiK3ForConditionalGeneration"]
     assert set(full["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
     assert full["media_placeholder_token_id"] == 163605
-    assert full["quantization_config"] == quantization_config()
+    assert "quantization_config" not in full, "the public config.json keeps it in text_config only"
+    assert text["quantization_config"] == quantization_config()
     assert (text["num_hidden_layers"], text["hidden_size"], text["num_experts"]) == (93, 7168, 896)
     assert len(text["linear_attn_config"]["full_attn_layers"]) == 24
     assert family_for_config(full).bundled_configs["kimi-k3"] == S.BUNDLED_CONFIG
@@ -185,16 +190,20 @@ def test_plan_sizes_of_the_full_model(full):
     assert sizes["largest_dense_unit_bytes"] == 163840 * 7168 * 2
 
 
-def test_bundled_config_is_reproduced_by_the_documented_recipe(full):
-    # The recipe in the sizes module docstring, run again: catches drift between the file and the classes.
-    config = KimiK3Config(
-        architectures=["KimiK3ForConditionalGeneration"],
-        auto_map={"AutoConfig": "configuration_kimi_k3.KimiK3Config",
-                  "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-                  "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"},
-        dtype="bfloat16",
-    )
-    d = config.to_dict()
-    d.pop("transformers_version", None)
-    d["quantization_config"] = quantization_config()
-    assert json.loads(json.dumps(d)) == full
+def test_the_config_classes_hold_every_model_key_of_the_bundled_config(full):
+    # Built from the public config, the stand-in classes keep every key the real file sets with its value and
+    # type; their defaults are the real values too (the generator only shrinks sizes).
+    built = json.loads(json.dumps(KimiK3Config(**full).to_dict()))
+    defaults = json.loads(json.dumps(KimiK3Config().to_dict()))
+    for section in (None, "text_config", "vision_config"):
+        real, got, default = (d if section is None else d[section] for d in (full, built, defaults))
+        dropped = {k for k in real if k not in got}
+        assert dropped == NOT_KEPT_BY_TRANSFORMERS_5.get(section, set()), section
+        for key, value in real.items():
+            if key in dropped or key in ("text_config", "vision_config"):
+                continue
+            assert got[key] == value and type(got[key]) is type(value), f"{section}.{key}"
+            if key in default and key not in ("architectures", "auto_map", "dtype", "_name_or_path",
+                                              "image_placeholder", "quantization_config", "bos_token_id",
+                                              "eos_token_id", "pad_token_id"):  # as upstream: 1, 2, 0
+                assert default[key] == value, f"default of {section}.{key}: {default[key]!r} != {value!r}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import json
 import random
 import re
 import shutil
@@ -77,7 +78,9 @@ def test_family_registered_by_model_type(tiny_ckpt):
     assert spec.KIMI_K3.model_types == ("kimi_k3",)
     assert families()["kimi_k3"] is spec.KIMI_K3
     assert family_for_config(read_config(tiny_ckpt)) is spec.KIMI_K3
-    assert family_for_config({"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear"}}) is spec.KIMI_K3
+    assert family_for_config(json.loads(spec.BUNDLED_CONFIG.read_text())) is spec.KIMI_K3
+    with pytest.raises(ValueError, match="text_config.vocab_size is missing"):  # the family's config check
+        family_for_config({"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear"}})
     with pytest.raises(ValueError, match="kimi_linear"):
         family_for_config({"model_type": "kimi_k3", "text_config": {"model_type": "llama"}})
     assert spec.KIMI_K3.remote_code_lock == spec.LOCK_FILE and spec.LOCK_FILE.is_file()
@@ -96,7 +99,7 @@ def test_ep_plan_globs_match_loaded_models(packed_model, dense_model):
     _, packed = packed_model
     packed_names, dense_names = _names(packed), _names(dense_model)
     moe_layers = [i for i in range(packed.config.text_config.num_hidden_layers)
-                  if packed.config.text_config.is_moe(i)]
+                  if packed.config.text_config.is_moe_layer(i)]
     assert moe_layers  # the tiny model has MoE layers
     for glob, style in spec.EP_PLAN.items():
         hits = [n for n in packed_names | dense_names if fnmatch.fnmatchcase(n, glob)]
@@ -128,8 +131,8 @@ def test_quantizer_exclusions(packed_model):
     text = model.config.text_config
     patterns = spec.quantizer_exclusions(model.config)
     assert spec.quantizer_exclusions(text) == patterns  # a text config works as well
-    kda = [i for i in range(text.num_hidden_layers) if not text.is_mla(i)]
-    mla = [i for i in range(text.num_hidden_layers) if text.is_mla(i)]
+    kda = [i for i in range(text.num_hidden_layers) if text.is_kda_layer(i)]
+    mla = [i for i in range(text.num_hidden_layers) if not text.is_kda_layer(i)]
     assert kda and mla
 
     # Expected verdict for every Linear, written independently of the patterns.
@@ -290,7 +293,7 @@ def test_adapter_load_and_save_round_trip(packed_model, tmp_path):
     ckpt = _checkpoint_tensors(path)
     sd = model.state_dict()
     text = model.config.text_config
-    layer = next(i for i in range(text.num_hidden_layers) if text.is_moe(i))
+    layer = next(i for i in range(text.num_hidden_layers) if text.is_moe_layer(i))
     prefix = f"language_model.model.layers.{layer}.block_sparse_moe.experts"
     for src, tail in (("weight_packed", "_packed"), ("weight_scale", "_scale")):
         gate_up, down = sd[f"{prefix}.gate_up_proj{tail}"], sd[f"{prefix}.down_proj{tail}"]

@@ -26,7 +26,7 @@ def loaded(ckpt):
 
 
 def _kinds(text_config) -> list[tuple[str, str]]:
-    return [("mla" if text_config.is_mla(i) else "kda", "moe" if text_config.is_moe(i) else "dense")
+    return [("mla" if not text_config.is_kda_layer(i) else "kda", "moe" if text_config.is_moe_layer(i) else "dense")
             for i in range(text_config.num_hidden_layers)]
 
 
@@ -38,7 +38,7 @@ def test_the_config_keeps_every_layer_kind_and_width(loaded):
     assert set(_kinds(text)) == set(_kinds(original)) and len(_kinds(text)) == 3
     assert text.num_experts == original.num_experts_per_token
     assert text.vocab_size == min(original.vocab_size, VOCAB)
-    for width in ("hidden_size", "intermediate_size", "moe_intermediate_size", "latent_moe_dim", "kv_lora_rank"):
+    for width in ("hidden_size", "intermediate_size", "moe_intermediate_size", "routed_expert_hidden_size", "kv_lora_rank"):
         assert getattr(text, width) == getattr(original, width)
 
 
