@@ -229,7 +229,7 @@ def test_a_nested_source_quantization_config_is_a_problem(fp8, tmp_path):
     config["text_config"]["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
     (export / "config.json").write_text(json.dumps(config))
     problems = _problems(export)
-    assert any("text_config.quantization_config is still set (quant_method compressed-tensors)" in p for p in problems)
+    assert any("text_config.quantization_config is still set (quant_method 'compressed-tensors')" in p for p in problems)
 
 
 def test_invalid_export_gets_no_manifest(fp8, tmp_path):
