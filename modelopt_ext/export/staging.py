@@ -203,5 +203,23 @@ def publish(staging: Path, export_dir: Path, overwrite: bool) -> list[str]:
 
 
 def discard(staging: Path | None) -> None:
-    if staging is not None and staging.exists():
-        shutil.rmtree(staging, ignore_errors=True)
+    """Remove a staging directory, whole. A SIGTERM or SIGINT arriving meanwhile is held back and raised
+    again once the directory is gone (a launcher that forwards a signal twice must not cut the removal
+    short: `Interrupted` raised inside `rmtree` left the directory half removed). Another rank may be
+    removing the same directory at the same time, so a directory still there is removed once more."""
+    if staging is None or not staging.exists():
+        return
+    held: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        for _ in range(3):
+            shutil.rmtree(staging, ignore_errors=True)
+            if not staging.exists():
+                break
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if held:
+        signal.raise_signal(held[0])  # now handled as it would have been: Interrupted, or the default action

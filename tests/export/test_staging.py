@@ -171,3 +171,39 @@ def test_sigterm_and_sigint_raise_interrupted_while_active_then_handlers_return(
             signal.sigtimedwait([], 0.1) if hasattr(signal, "sigtimedwait") else None
         assert e.value.signum == signum and signal.Signals(signum).name in str(e.value)
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_signal_during_discard_does_not_cut_the_removal_short(tmp_path, monkeypatch):
+    """A launcher that forwards SIGTERM twice: the second one arrives while the staging dir is being removed.
+    The removal finishes first, then the signal raises `Interrupted` (before: raised inside rmtree, it left
+    the directory half removed, and the next run found a `.out.partial-*`)."""
+    path = staging_dir(tmp_path / "out")
+    for i in range(20):
+        (path / f"model-{i:05d}.safetensors").write_bytes(b"x" * 16)
+    real_unlink = os.unlink
+    sent = []
+
+    def unlink_and_signal(name, *args, **kwargs):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", _rmtree_with(unlink_and_signal))
+    with pytest.raises(Interrupted), interrupts_raise():
+        discard(path)
+        signal.sigtimedwait([], 0.1) if hasattr(signal, "sigtimedwait") else None
+    assert sent and not path.exists()
+
+
+def _rmtree_with(unlink):
+    """shutil.rmtree with each file removal done by `unlink` (the signal lands between two removals)."""
+    def rmtree(path, ignore_errors=False, **kwargs):
+        for child in sorted(Path(path).iterdir()):
+            try:
+                unlink(child)
+            except OSError:
+                if not ignore_errors:
+                    raise
+        Path(path).rmdir()
+    return rmtree
