@@ -16,6 +16,29 @@ from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
+class ServingSpec:
+    """How the serving engines build a family's model, from their loaders (docs/export.md).
+
+    Attributes:
+        engines: the engines described ("vllm", "sglang", "trtllm").
+        fused_groups: `fused_groups(config_json_mapping)` -> groups of one layer's modules an engine fuses
+            into one GEMM; each has `.name`, `.layer`, `.members` (checkpoint names), `.fused` (engine ->
+            (fused module name under that engine's naming, the members it fuses)) and `.describe()`.
+        never_quantized: `never_quantized(module)`: no engine quantizes this module (checkpoint naming).
+        engine_name: `engine_name(module, engine)` -> the name that engine gives the module it builds.
+        layer_aliases: `layer_aliases(module)` -> the `quantized_layers` keys that every engine resolves.
+        linear_shape: `linear_shape(config_json_mapping, module)` -> (out, in) of a fused group's member.
+    """
+
+    engines: tuple[str, ...]
+    fused_groups: Callable[[Mapping[str, Any]], tuple]
+    never_quantized: Callable[[str], bool]
+    engine_name: Callable[[str, str], str]
+    layer_aliases: Callable[[str], tuple[str, ...]]
+    linear_shape: Callable[[Mapping[str, Any], str], tuple[int, int] | None]
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """Everything modelopt_ext knows about one model family.
 
@@ -40,6 +63,7 @@ class FamilySpec:
             names the checkpoint and serving engines use for them (e.g. w1, w3, w2).
         check_config: `check_config(config_json_mapping, source)` raises ValueError naming every key the
             family's code needs and lacks, or value it does not implement; run by `family_for_config`.
+        serving: how the serving engines build the model (fused groups, names), if known.
     """
 
     name: str
@@ -59,6 +83,7 @@ class FamilySpec:
     default_recipe: str | None = None
     export_expert_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     check_config: Callable[[Mapping[str, Any], str], None] | None = None
+    serving: ServingSpec | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))

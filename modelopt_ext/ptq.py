@@ -222,6 +222,11 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     else:
         raise ValueError(f"family {family.name!r} has no default recipe; give --recipe or --qformat")
     recipe = recipes.load(source, overrides=args.set or ())
+    if family.serving is not None:  # a group an engine fuses into one GEMM must get one quantization
+        from modelopt_ext.quant.fused_groups import check_fused_groups
+
+        check_fused_groups(recipes.quant_config(recipe, config)["quant_cfg"], config, family.serving,
+                           str(recipe.path))
     # trust_remote_code=False: the tokenizer is not remote code, and None makes transformers ask on the
     # terminal (for up to 15 s) whether to run the checkpoint's configuration code
     check_tokenizer_files(args.model)  # names a missing or garbled file; transformers would guess or fail late
@@ -297,7 +302,8 @@ class _Run:
             with self.phase("calibrate"):
                 result, tokens = self._calibrate(model, inputs, tokenizing)
         with self.phase("export"):
-            export = all_or_fail("export", lambda: self._export(result))
+            calibrated = sum(gather_objects(tokens))  # every rank's, for the export's provenance
+            export = all_or_fail("export", lambda: self._export(result, inputs, calibrated))
         with self.phase("summary"):
             summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line(), result.seconds)
         if self.rank == 0:
@@ -402,12 +408,24 @@ class _Run:
                           "prepare": round(prepared, 3), **result.seconds}
         return result, tokens
 
-    def _export(self, result):
+    def _export(self, result, inputs: Inputs, calibrated_tokens: int):
+        from modelopt_ext import provenance
+
         a = self.args
+        record = provenance.build(
+            recipe_name=recipe_name(inputs.recipe.path), recipe=inputs.recipe, overrides=a.set or (),
+            source=Path(a.model), family=inputs.family, lock=inputs.lock,
+            calibration={"tokens": calibrated_tokens, "blocks": a.calib_size, "seq_len": a.seq_len,
+                         "batch_size": a.batch_size, "dataset": a.dataset, "dtype": a.dtype,
+                         "uncovered_experts": a.uncovered_experts, "coverage": result.coverage.summary_line(),
+                         "experts_without_tokens": sum(len(v) for v in result.coverage.uncovered().values())},
+            distribution={"world_size": self.world_size, "ep_size": self.ep_size, "dense": a.dense},
+        )
 
         def write_extra(staging) -> None:
             result.coverage.write_json(Path(staging) / "coverage.json")
             result.coverage.write_png(Path(staging) / "coverage.png")
+            provenance.write(Path(staging), record)
 
         with ProgressBar("export", enabled=self._show_progress(), unit="unit") as bar:
             options = {"overwrite": a.overwrite, "experts_per_file": a.experts_per_file}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 import modelopt_ext
@@ -368,7 +369,35 @@ def test_export_does_not_depend_on_ep_degree(single_run, ep2_run):
     assert single_run[0] == ep2_run[0] == 0
     names = sorted(p.name for p in one.iterdir())
     assert names == sorted(p.name for p in two.iterdir())
-    assert [n for n in names if (one / n).read_bytes() != (two / n).read_bytes()] == []
+    # the weights, configs and coverage are byte-identical; the provenance records the run (its EP degree,
+    # world size and checkpoint path), and so the manifest listing it differs too
+    assert [n for n in names if (one / n).read_bytes() != (two / n).read_bytes()] == [
+        "MANIFEST.sha256", "modelopt_ext_provenance.json"]
+    p1, p2 = (json.loads((d / "modelopt_ext_provenance.json").read_text()) for d in (one, two))
+    assert p1["distribution"] == {"world_size": 1, "ep_size": None, "dense": None}
+    assert p2["distribution"] == {"world_size": 2, "ep_size": 2, "dense": None}
+    assert p1["source"].pop("path") != p2["source"].pop("path")
+    assert {k: v for k, v in p1.items() if k != "distribution"} == {k: v for k, v in p2.items() if k != "distribution"}
+
+
+@EXPORTER
+def test_the_export_records_its_provenance(single_run):
+    rc, _, err, root = single_run
+    assert rc == 0, err[-3000:]
+    record = json.loads((root / "export" / "modelopt_ext_provenance.json").read_text())
+    assert record["recipe"]["name"] == "kimi_k3/nvfp4_experts-fp8_attention" and record["recipe"]["overrides"] == []
+    resolved = yaml.safe_load(record["recipe"]["resolved_yaml"])
+    assert resolved["quantize"]["algorithm"]["method"] == "max" and len(resolved["quantize"]["quant_cfg"]) > 10
+    assert all(record["versions"][d] for d in ("nvidia-modelopt", "transformers", "torch", "modelopt-ext"))
+    source = record["source"]
+    assert source["family"] == "kimi_k3" and len(source["revision"]) == 40
+    assert len(source["remote_code_lock_sha256"]) == 64 and Path(source["remote_code_lock"]).is_file()
+    summary = json.loads((root / "summary.json").read_text())
+    calibration = record["calibration"]
+    assert calibration["tokens"] == sum(summary["tokens"]) and calibration["coverage"] == summary["coverage"]
+    assert calibration["experts_without_tokens"] == 0
+    listed = (root / "export" / "MANIFEST.sha256").read_text()
+    assert "modelopt_ext_provenance.json" in listed
 
 
 def test_ranks_fail_together_on_differing_arguments(tiny_ckpt, tmp_path):

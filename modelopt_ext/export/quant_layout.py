@@ -15,11 +15,13 @@ import torch
 from modelopt_ext.export.tensors import _Entry, _load_json, _Tensors, _Unreadable
 
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
-FP8_ALGOS = ("FP8", "fp8_pb_wo")  # E4M3 weight times an F32 scale: per tensor, per 2-D block
+FP8_ALGOS = ("FP8", "FP8_PB_WO")  # E4M3 weight times an F32 scale: per tensor, per 2-D block
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")  # packed E2M1 weight, E4M3 block scales, F32 per-tensor scale
 SUPPORTED_ALGOS = FP8_ALGOS + NVFP4_ALGOS
-WEIGHT_ONLY_ALGOS = ("fp8_pb_wo", "W4A16_NVFP4")  # no input_scale
-# fp8_pb_wo block edge (rows and columns). ModelOpt 0.47 records no block size for it in either config;
+WEIGHT_ONLY_ALGOS = ("FP8_PB_WO", "W4A16_NVFP4")  # no input_scale
+# Algorithm names are compared upper-cased, as the engines do (ModelOpt 0.47 writes `fp8_pb_wo`; the exporter
+# here writes `FP8_PB_WO`). FP8_PB_WO block edge (rows and columns). ModelOpt 0.47 records no block size for
+# it in either config (the exporter here writes `group_size: 128` per layer);
 # its preset FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG and the recipes here use 128 x 128.
 FP8_PB_BLOCK = 128
 NVFP4_DEFAULT_GROUP_SIZE = 16
@@ -56,7 +58,7 @@ class _QuantSpec:
 
 
 def fp8_pb_grid(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(scale rows, scale cols) of an fp8_pb_wo weight of 2-D ``shape``: one scale per started block."""
+    """(scale rows, scale cols) of an FP8_PB_WO weight of 2-D ``shape``: one scale per started block."""
     rows, cols = shape
     return math.ceil(rows / FP8_PB_BLOCK), math.ceil(cols / FP8_PB_BLOCK)
 
@@ -65,6 +67,10 @@ def _same_grid(shape: tuple[int, ...], grid: tuple[int, ...]) -> bool:
     """Whether a block-scale tensor of ``shape`` holds ``grid`` in row-major order. ModelOpt keeps the
     calibration amax's shape: ``[R, 1, C, 1]``, or ``[]`` for one block; ``[R, C]`` is accepted too."""
     return [d for d in shape if d != 1] == [d for d in grid if d != 1]
+
+
+def _upper(algo):
+    return algo.upper() if isinstance(algo, str) else algo
 
 
 def _group_size(qc: Mapping, default):
@@ -97,7 +103,7 @@ def _quantized_layers(layers, where: str, problems: list[str]) -> dict[str, tupl
         if not isinstance(cfg, dict):
             problems.append(f"{where} quantized_layers[{module}] is {cfg!r}, expected an object")
             continue
-        algo = cfg.get("quant_algo")
+        algo = _upper(cfg.get("quant_algo"))
         if algo not in SUPPORTED_ALGOS:
             problems.append(f"{where} quantized_layers[{module}]: quant_algo {algo!r} is not supported here")
         size = _positive_int(cfg.get("group_size"), NVFP4_DEFAULT_GROUP_SIZE,
@@ -132,13 +138,14 @@ def _read_quant_spec(export_dir: Path, problems: list[str]) -> _QuantSpec:
         if not isinstance(q, dict):
             problems.append(f"{HF_QUANT_CONFIG_NAME}: no 'quantization' object")
             q = {}
-        algo, kv = q.get("quant_algo"), q.get("kv_cache_quant_algo")
+        algo, kv = _upper(q.get("quant_algo")), q.get("kv_cache_quant_algo")
         exclude = _names(q.get("exclude_modules"), f"{where} exclude_modules", problems)
         group_size = _positive_int(q.get("group_size"), NVFP4_DEFAULT_GROUP_SIZE, f"{where} group_size", problems)
         layers = q.get("quantized_layers") or {}
     elif isinstance(qc, dict):
         where = "config.json quantization_config"
-        algo, kv, layers = qc.get("quant_algo"), qc.get("kv_cache_scheme") or None, qc.get("quantized_layers") or {}
+        algo, kv = _upper(qc.get("quant_algo")), qc.get("kv_cache_scheme") or None
+        layers = qc.get("quantized_layers") or {}
         exclude = _names(qc.get("ignore"), f"{where}.ignore", problems)
         group_size = _positive_int(_group_size(qc, None), NVFP4_DEFAULT_GROUP_SIZE, f"{where} group_size", problems)
     else:
@@ -148,7 +155,7 @@ def _read_quant_spec(export_dir: Path, problems: list[str]) -> _QuantSpec:
         if algo is not None:
             problems.append(f"config.json has no quantization_config although {HF_QUANT_CONFIG_NAME} sets {algo}")
     elif hf is not None:
-        if qc.get("quant_algo") != algo:
+        if _upper(qc.get("quant_algo")) != algo:
             problems.append(
                 f"config.json quantization_config.quant_algo {qc.get('quant_algo')!r} != "
                 f"{HF_QUANT_CONFIG_NAME} quant_algo {algo!r}"
@@ -167,9 +174,10 @@ def _read_quant_spec(export_dir: Path, problems: list[str]) -> _QuantSpec:
             )
         if "quantized_layers" in qc and qc["quantized_layers"] != layers:
             problems.append(f"config.json quantization_config.quantized_layers differs from {HF_QUANT_CONFIG_NAME}'s")
-    if isinstance(qc, dict) and qc.get("quant_method") != "modelopt":
+    if isinstance(qc, dict) and qc.get("quant_method") not in ("modelopt", "modelopt_mixed"):
         method = qc.get("quant_method")
-        problems.append(f"config.json quantization_config.quant_method is {method!r}, expected 'modelopt'")
+        problems.append(f"config.json quantization_config.quant_method is {method!r}, expected 'modelopt' or "
+                        "'modelopt_mixed'")
     if algo not in (None, "MIXED_PRECISION", *SUPPORTED_ALGOS):
         supported = ", ".join((*SUPPORTED_ALGOS, "MIXED_PRECISION"))
         problems.append(f"quant_algo {algo!r} is not supported here (supported: {supported})")

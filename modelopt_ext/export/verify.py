@@ -14,10 +14,10 @@ exporter (`modelopt_ext.export.writer`) write it:
   in compressed-tensors style as ``config.json``'s ``quantization_config`` (``quant_algo``, ``ignore``,
   ``config_groups``, ``quantized_layers``, ``quant_method: modelopt``);
 * for every quantized linear ``M`` (``M.input_scale`` F32 ``[]`` is absent when the input was never
-  calibrated, and always for the weight-only ``fp8_pb_wo`` and ``W4A16_NVFP4``):
+  calibrated, and always for the weight-only ``FP8_PB_WO`` and ``W4A16_NVFP4``):
 
   - ``FP8``: ``M.weight`` F8_E4M3 ``[..., I]``, ``M.weight_scale`` F32 ``[]``, no ``M.weight_scale_2``;
-  - ``fp8_pb_wo`` (FP8 weight-only, 2-D blocks of ``FP8_PB_BLOCK`` = 128 rows x 128 columns; neither
+  - ``FP8_PB_WO`` (FP8 weight-only, 2-D blocks of ``FP8_PB_BLOCK`` = 128 rows x 128 columns; neither
     config records the block size): ``M.weight`` F8_E4M3 ``[O, I]``, ``M.weight_scale`` F32 with one
     value per started block, ``ceil(O/128) x ceil(I/128)`` in row-major order, in the shape of
     ModelOpt's calibration amax: ``[ceil(O/128), 1, ceil(I/128), 1]``, or ``[]`` for a single block
@@ -25,7 +25,7 @@ exporter (`modelopt_ext.export.writer`) write it:
   - ``NVFP4`` and ``W4A16_NVFP4``: ``M.weight`` U8 ``[..., I/2]``, ``M.weight_scale`` F8_E4M3
     ``[..., B]``, ``M.weight_scale_2`` F32 ``[]``.
 
-  FP8 dequantizes as ``weight * weight_scale`` (the block's scale for ``fp8_pb_wo``). NVFP4 packs two
+  FP8 dequantizes as ``weight * weight_scale`` (the block's scale for ``FP8_PB_WO``). NVFP4 packs two
   E2M1 codes per byte, element ``2j`` in the LOW nibble and ``2j+1`` in the high one (the same order as
   MXFP4 in ``modelopt_ext.formats.mxfp4``), and dequantizes as
   ``E2M1[code] * weight_scale[block] * weight_scale_2``;
@@ -276,7 +276,7 @@ def verify_export(
     tensors are bit-exact (dtype and bytes); quantized weights dequantize within the format's bound, times
     ``tolerance_factor``:
 
-    * FP8 and fp8_pb_wo: ModelOpt stores ``fp8(w / s)``, ``s = amax / 448`` (of the tensor, or of the
+    * FP8 and FP8_PB_WO: ModelOpt stores ``fp8(w / s)``, ``s = amax / 448`` (of the tensor, or of the
       128 x 128 block), dividing in the export dtype (bf16; fp32 for blocks) and rounding to nearest E4M3
       (3 mantissa bits). Normals (``|w/s| >= 2**-6``) round within ``2**-4`` relative; subnormals within
       half their step, ``2**-10`` in units of ``s``. The source's rounding to bf16 and the bf16 division

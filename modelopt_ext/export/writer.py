@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from modelopt_ext.export.files import ExportFiles, check_experts_per_file, exper
 from modelopt_ext.export.layout import INDEX_NAME, _read_header
 from modelopt_ext.export.manifest import _write_manifest, file_digests
 from modelopt_ext.export.materialize import expert_offset, materialize, release
+from modelopt_ext.export.serving import flat_quant_config, serving_quant_config
 from modelopt_ext.export.staging import (
     copy_source_files,
     discard,
@@ -89,6 +91,19 @@ def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | Non
 def _experts_quantized(experts: nn.Module) -> bool:
     quantizers = [q for p in ("gate_up_proj", "down_proj") for q in getattr(experts, f"{p}_weight_quantizers", ())]
     return bool(quantizers) and all(getattr(q, "is_enabled", False) for q in quantizers)
+
+
+def _linear_modules(model: nn.Module, files: ExportFiles) -> list[str]:
+    """Names of the model's linear modules (a 2-D weight; not embeddings, not the fused experts banks)."""
+    experts = "." + files.experts_suffix
+    out = []
+    for name, module in model.named_modules():
+        if experts in name + "." or isinstance(module, nn.Embedding):
+            continue
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None and weight.dim() == 2:
+            out.append(name)
+    return out
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:
@@ -224,7 +239,7 @@ def exported_config(source: dict, quantization_config: dict) -> dict:
 
 
 def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
-              quant_config: dict, api, write_extra) -> tuple[int, int]:
+              quant_config: dict, modelopt_config: dict, api, write_extra) -> tuple[int, int]:
     weight_map: dict[str, str] = {}
     for rank, part in enumerate(maps):
         for key, file in part.items():
@@ -239,7 +254,10 @@ def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[di
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     copy_source_files(source_dir, staging)
-    config = exported_config(read_config(source_dir), api.convert_quant_config(quant_config))
+    with warnings.catch_warnings():  # ModelOpt 0.47 warns that it cannot describe fp8_pb_wo; flat_quant_config does
+        warnings.filterwarnings("ignore", message=".*Unsupported quantization algorithm 'fp8_pb_wo'.*")
+        flat = api.convert_quant_config(modelopt_config)
+    config = exported_config(read_config(source_dir), flat_quant_config(flat, quant_config))
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (staging / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
     if write_extra is not None:
@@ -281,11 +299,15 @@ def export_checkpoint(
         api.prepare_moe_inputs(model, dtype, False)
         api.sync_moe_gate_up(model)
         with fused_property_weights():
-            quant_config = api.get_quant_config(model)
-        _refuse_cross_module_formats(quant_config)
-        return family, files, dtype, quant_config, _source_dtypes(source_dir)
+            modelopt_config = api.get_quant_config(model)
+        _refuse_cross_module_formats(modelopt_config)
+        quant_config = modelopt_config
+        if family.serving is not None:  # as the serving engines parse it (export/serving.py)
+            quant_config = serving_quant_config(modelopt_config, family.serving, read_config(source_dir),
+                                                _linear_modules(model, files))
+        return family, files, dtype, quant_config, modelopt_config, _source_dtypes(source_dir)
 
-    family, files, dtype, quant_config, source_dtypes = all_or_fail("export planning", plan)
+    family, files, dtype, quant_config, modelopt_config, source_dtypes = all_or_fail("export planning", plan)
     agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
     with interrupts_raise():  # SIGTERM/SIGINT while staged: every rank removes the staging dir, then leaves
         staging = None
@@ -303,7 +325,8 @@ def export_checkpoint(
             maps = gather_objects(exporter.written)
             written = tuple(gather_objects(exporter.bytes_written))
             result = all_or_fail("export finalization", lambda: _finalize(
-                staging, source_dir, files, maps, quant_config, api, write_extra) if rank == 0 else None)
+                staging, source_dir, files, maps, quant_config, modelopt_config, api, write_extra)
+                if rank == 0 else None)
             tensors, total = gather_objects(result)[0]
             warnings = all_or_fail("export publishing",
                                    lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)

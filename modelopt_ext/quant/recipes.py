@@ -30,12 +30,11 @@ comments may only name objects under `modelopt.*`; this package also parses with
 (recipe files in `recipe_io`, `--set` values here) and applies overrides itself (ModelOpt's own override
 path merges through OmegaConf and would accept unknown keys).
 
-Family exclusions: a quantizer-name glob sees only the name, and Kimi-K3's KDA and MLA layers both own
-`self_attn.g_proj` (KDA's stays unquantized, MLA's does not); which layers are KDA comes from the model
-config. So `quant_config` appends, after the recipe's entries, every glob of the model family's
-`quantizer_exclusions(config)` that is not already in effect (`family_exclusion_entries`). With the shipped
-recipes (whose unit holds the static globs and the KDA-only projections) that is KDA's `g_proj`, one glob per
-ten layers (`*layers.1[0124].self_attn.g_proj*`, `spec.layer_globs`).
+Family exclusions: `quant_config` appends, after the recipe's entries, every glob of the model family's
+`quantizer_exclusions(config)` that is not already in effect (`family_exclusion_entries`), so a user recipe
+that forgets the family's unit still keeps what no serving engine quantizes in bf16. The shipped recipes
+import the unit that holds all of them, so nothing is appended. Recipes must also quantize each group the
+engines fuse into one GEMM alike; `quant.fused_groups` refuses one that does not, in validate.
 
 hf_ptq.py `--qformat` presets (ModelOpt's `configs/ptq/presets/model/*.yaml`) with a recipe here, per family
 (`RECIPES_DIR/qformats.yaml`, read by `recipe_for_qformat`):

@@ -146,12 +146,12 @@ def test_mixed_export_passes_with_source(mixed):
     assert f"{W1}.weight" in headers and not any(k.startswith(f"{EXPERTS}.") and ".gate_proj." in k for k in headers)
     assert headers[f"{Q_B}.weight"] == ("F8_E4M3", [192, 64]) and headers[f"{Q_PROJ}.weight_scale"] == ("F32", [])
     assert headers[f"{Q_B}.weight_scale"] == ("F32", [2, 1, 1, 1])  # ModelOpt's amax shape, kept as is
-    n_pb = sum(cfg["quant_algo"] == "fp8_pb_wo" for cfg in hf["quantized_layers"].values())
+    n_pb = sum(cfg["quant_algo"] == "FP8_PB_WO" and f"{k}.weight" in headers for k, cfg in hf["quantized_layers"].items())
     n_nvfp4 = sum(k.endswith(".weight_scale_2") for k in headers)
     report = verify_export(export, src)  # the manifest the exporter wrote
-    assert dict(report.quantized) == {"fp8_pb_wo": n_pb, "NVFP4": n_nvfp4} and n_pb > 20 and n_nvfp4 == 240
+    assert dict(report.quantized) == {"FP8_PB_WO": n_pb, "NVFP4": n_nvfp4} and n_pb > 20 and n_nvfp4 == 240
     assert report.manifest == "checked"
-    assert 0.9 < report.max_bound_ratio["NVFP4"] <= 1.0 and 0.5 < report.max_bound_ratio["fp8_pb_wo"] <= 1.0
+    assert 0.9 < report.max_bound_ratio["NVFP4"] <= 1.0 and 0.5 < report.max_bound_ratio["FP8_PB_WO"] <= 1.0
     # Independent reference for the two-block weight: each 128-row block times its own scale.
     with safe_open(str(shard_of(export, f"{Q_B}.weight")), framework="pt") as f:
         q, s = f.get_tensor(f"{Q_B}.weight").float(), f.get_tensor(f"{Q_B}.weight_scale").float().flatten()
@@ -160,7 +160,7 @@ def test_mixed_export_passes_with_source(mixed):
     assert s[0] != s[1]
     deq = torch.cat([q[:128] * s[0], q[128:] * s[1]])
     rel = float((deq - w).abs().max() / w.abs().max())
-    assert 0 < rel <= report.max_rel_error["fp8_pb_wo"] <= 2**-4 + 2**-8
+    assert 0 < rel <= report.max_rel_error["FP8_PB_WO"] <= 2**-4 + 2**-8
 
 
 def test_modelopt_fp8_pb_wo_export_passes(fp8_pb_wo):
@@ -170,8 +170,8 @@ def test_modelopt_fp8_pb_wo_export_passes(fp8_pb_wo):
     headers = _headers(export)
     assert headers[f"{Q_B}.weight"] == ("F8_E4M3", [192, 64]) and headers[f"{Q_B}.weight_scale"][1] == [2, 1, 1, 1]
     report = _sealed_verify(export, src)
-    assert dict(report.quantized) == {"fp8_pb_wo": sum(d == "F8_E4M3" for d, _ in headers.values())}
-    assert 0.5 < report.max_bound_ratio["fp8_pb_wo"] <= 1.0
+    assert dict(report.quantized) == {"FP8_PB_WO": sum(d == "F8_E4M3" for d, _ in headers.values())}
+    assert 0.5 < report.max_bound_ratio["FP8_PB_WO"] <= 1.0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def test_modelopt_fp8_pb_wo_export_passes(fp8_pb_wo):
 @pytest.mark.parametrize("module, scale, expected", [
     (Q_B, torch.full((2, 2), 1e-3), "has shape [2, 2], expected [2, 1]"),
     (Q_PROJ, torch.full((2,), 1e-3), "has shape [2], expected [1, 1]"),
-    (Q_PROJ, torch.tensor(1e-3, dtype=torch.bfloat16), "is BF16 [], expected F32 (fp8_pb_wo block scale)"),
+    (Q_PROJ, torch.tensor(1e-3, dtype=torch.bfloat16), "is BF16 [], expected F32 (FP8_PB_WO block scale)"),
 ])
 def test_fp8_pb_wo_scale_with_wrong_shape_or_dtype(mixed, tmp_path, module, scale, expected):
     src, export = mixed[0], _copy(mixed[1], tmp_path)
@@ -199,7 +199,7 @@ def test_fp8_weight_stored_as_bf16_is_reported(mixed, tmp_path):
     key = f"{Q_B}.weight"
     rewrite(shard_of(export, key), lambda t: t.__setitem__(key, t[key].to(torch.bfloat16)))
     fix_total_size(export)
-    expected = (f"{key} is BF16 [192, 64], expected F8_E4M3 (fp8_pb_wo weight)",)
+    expected = (f"{key} is BF16 [192, 64], expected F8_E4M3 (FP8_PB_WO weight)",)
     assert _problems(export) == _problems(export, src) == expected
 
 
@@ -215,7 +215,7 @@ def test_fp8_pb_wo_scaled_block_breaks_the_bound(mixed, tmp_path):
     assert _sealed_verify(export).ok  # still a valid layout
     problems = _problems(export, src)
     assert len(problems) == 1
-    assert problems[0].startswith(f"{Q_B}.weight: ") and "exceed the fp8_pb_wo error bound; first at [128, " in (
+    assert problems[0].startswith(f"{Q_B}.weight: ") and "exceed the FP8_PB_WO error bound; first at [128, " in (
         problems[0])
 
 
@@ -233,9 +233,9 @@ def test_expert_module_not_listed_is_reported(mixed, tmp_path):
 
 def test_exact_entry_overrides_its_ancestor(mixed, tmp_path):
     export = _copy(mixed[1], tmp_path)
-    _edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(W1, {"quant_algo": "fp8_pb_wo"}))
+    _edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(W1, {"quant_algo": "FP8_PB_WO"}))
     problems = _problems(export)
-    assert f"{W1}.weight is U8 [64, 32], expected F8_E4M3 (fp8_pb_wo weight)" in problems
+    assert f"{W1}.weight is U8 [64, 32], expected F8_E4M3 (FP8_PB_WO weight)" in problems
     assert all(p.startswith(W1) or "orphan scale" in p for p in problems), problems
 
 
@@ -256,9 +256,9 @@ def test_exclude_modules_win_over_quantized_layers(mixed, tmp_path):
 
 def test_malformed_quantized_layers_are_problems(mixed, tmp_path):
     export = _copy(mixed[1], tmp_path)
-    _edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(Q_PROJ, "fp8_pb_wo"))
+    _edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(Q_PROJ, "FP8_PB_WO"))
     problems = _problems(export)
-    assert f"hf_quant_config.json quantized_layers[{Q_PROJ}] is 'fp8_pb_wo', expected an object" in problems
+    assert f"hf_quant_config.json quantized_layers[{Q_PROJ}] is 'FP8_PB_WO', expected an object" in problems
     assert any(p.startswith(f"{Q_PROJ} has quantized tensors") for p in problems)
 
 
@@ -322,25 +322,25 @@ def test_fp8_pb_wo_blocks_at_their_edges(tmp_path):
     q = x.to(torch.float8_e4m3fn)
     assert q[0, 0].item() == 1.0
     good = {"lin.weight": q, "lin.weight_scale": s.reshape(2, 1, 2, 1)}
-    report = _sealed_verify(_one_linear(tmp_path / "ok", "fp8_pb_wo", w, good)[1], tmp_path / "ok" / "src")
-    assert report.quantized == {"fp8_pb_wo": 1} and 0.87 < report.max_bound_ratio["fp8_pb_wo"] <= 1.0  # 0.874
-    assert _sealed_verify(_one_linear(tmp_path / "2d", "fp8_pb_wo", w, {**good, "lin.weight_scale": s})[1],
+    report = _sealed_verify(_one_linear(tmp_path / "ok", "FP8_PB_WO", w, good)[1], tmp_path / "ok" / "src")
+    assert report.quantized == {"FP8_PB_WO": 1} and 0.87 < report.max_bound_ratio["FP8_PB_WO"] <= 1.0  # 0.874
+    assert _sealed_verify(_one_linear(tmp_path / "2d", "FP8_PB_WO", w, {**good, "lin.weight_scale": s})[1],
                          tmp_path / "2d" / "src").ok
     # One code of the partial corner block an ULP off (2 -> 2.25, times its scale 4); the scales transposed
     # (accepted as a layout, but block [0, 1] then gets 0.5 instead of 2).
     off = q.clone()
     off[129, 199] = 2.25
     cases = {
-        "ulp": ({**good, "lin.weight": off}, "1 of 26000 values exceed the fp8_pb_wo error bound; first at [129, 199]"),
+        "ulp": ({**good, "lin.weight": off}, "1 of 26000 values exceed the FP8_PB_WO error bound; first at [129, 199]"),
         "transposed": ({**good, "lin.weight_scale": s.t().contiguous()}, "first at [0, 128]"),
     }
     for name, (tensors, message) in cases.items():
-        src, export = _one_linear(tmp_path / name, "fp8_pb_wo", w, tensors)
+        src, export = _one_linear(tmp_path / name, "FP8_PB_WO", w, tensors)
         problems = _problems(export, src)
         assert len(problems) == 1 and problems[0].startswith("lin.weight: ") and message in problems[0], problems
-    src, export = _one_linear(tmp_path / "flat", "fp8_pb_wo", w, {**good, "lin.weight_scale": s.flatten()})
+    src, export = _one_linear(tmp_path / "flat", "FP8_PB_WO", w, {**good, "lin.weight_scale": s.flatten()})
     assert _problems(export, src) == (
-        "lin.weight_scale has shape [4], expected [2, 2] (one fp8_pb_wo scale per 128x128 block of lin.weight "
+        "lin.weight_scale has shape [4], expected [2, 2] (one FP8_PB_WO scale per 128x128 block of lin.weight "
         "[130, 200])",
     )
 

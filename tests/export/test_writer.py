@@ -59,7 +59,12 @@ def test_single_process_export_layout(single, source):
     hf = json.loads((export / "hf_quant_config.json").read_text())
     assert hf["quantization"]["quant_algo"] == "MIXED_PRECISION"
     assert hf["quantization"]["quantized_layers"][experts]["quant_algo"] == "NVFP4"
-    assert config["quantization_config"]["quant_method"] == "modelopt"
+    assert hf["quantization"]["quantized_layers"]["model.layers.1.mlp.experts"]["quant_algo"] == "NVFP4"  # SGLang
+    kda = "language_model.model.layers.1.self_attn"
+    assert hf["quantization"]["quantized_layers"][f"{kda}.in_proj_qkvgfab"] == {"quant_algo": "FP8_PB_WO",
+                                                                              "group_size": 128}
+    assert config["quantization_config"]["quantized_layers"] == hf["quantization"]["quantized_layers"]
+    assert config["quantization_config"]["quant_method"] == "modelopt_mixed"  # SGLang's per-layer path
     # the source's compressed-tensors MXFP4 config lives in text_config, as Kimi-K3's does; it must go
     assert json.loads((source / "config.json").read_text())["text_config"]["quantization_config"]["format"] == (
         "mxfp4-pack-quantized")

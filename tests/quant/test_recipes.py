@@ -91,7 +91,7 @@ def test_recipe_contents():
     for which in ("weight", "input"):
         cfg = prod[f"*block_sparse_moe.experts.*{which}_quantizer"]
         assert (cfg["num_bits"], cfg["block_sizes"][-1], cfg["block_sizes"]["scale_bits"]) == NVFP4
-    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "q_a_proj", "q_b_proj",
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "f_a_proj", "b_proj", "q_a_proj", "q_b_proj",
                    "kv_a_proj_with_mqa", "kv_b_proj"]
     for proj in projections:
         cfg = prod.pop(f"*self_attn.{proj}.weight_quantizer")
@@ -105,8 +105,7 @@ def test_recipe_contents():
 
 
 def test_exclusion_unit_holds_the_family_static_globs():
-    """The unit and the family spec must not drift: the unit holds every glob of quantizer_exclusions that
-    does not name a layer, plus the KDA-only projections, and never g_proj (MLA keeps its g_proj)."""
+    """The unit and the family spec must not drift: the unit holds exactly the globs of quantizer_exclusions."""
     from modelopt_ext.models.kimi_k3.spec import quantizer_exclusions
     from modelopt_ext.testing.configs import tiny_text_config
 
@@ -115,8 +114,10 @@ def test_exclusion_unit_holds_the_family_static_globs():
     spec = quantizer_exclusions(tiny_text_config())
     static = [p for p in spec if "layers." not in p]
     assert set(static) <= set(globs)
-    assert set(globs) - set(static) == {"*self_attn.f_a_proj*", "*self_attn.f_b_proj*", "*self_attn.b_proj*"}
-    assert not any("g_proj" in g for g in globs)
+    assert set(globs) == set(static) == set(spec)
+    # the KDA input group (q/k/v/g/f_a/b: one GEMM in vLLM) is left to the recipes, which treat it alike
+    assert not [g for g in globs for leaf in ("q", "k", "v", "g", "f_a", "b") if fnmatch.fnmatchcase(
+        f"language_model.model.layers.1.self_attn.{leaf}_proj.weight_quantizer", g)]
     assert all(e == {"quantizer_name": e["quantizer_name"], "enable": False} for e in unit)
 
 
@@ -186,7 +187,7 @@ def test_user_yaml_path(tmp_path, monkeypatch):
     recipe = R.load("mine/o_proj.yaml", ["quantize.quant_cfg.1.cfg.num_bits=e4m3"])
     names = [e["quantizer_name"] for e in recipe["quantize"]["quant_cfg"]]
     assert names[:3] == ["*", "*self_attn.o_proj.weight_quantizer", "*self_attn.q_proj*"]
-    assert "*self_attn.f_a_proj*" in names
+    assert "*self_attn.f_b_proj*" in names  # from the unit this package ships
     assert recipe.path == folder / "o_proj.yaml"
     assert str(recipe.sources[2]).startswith(f"{folder / 'extra_off.yaml'} entry [0]")
 
@@ -383,7 +384,8 @@ def _must_stay_unquantized(model) -> list[str]:
         leaf = name.rpartition(".")[2]
         layer = re.search(r"language_model\.model\.layers\.(\d+)\.self_attn\.", name)
         if (name.endswith("block_sparse_moe.gate") or leaf.endswith("_conv1d")
-                or (layer and int(layer.group(1)) in kda and leaf in ("f_a_proj", "f_b_proj", "b_proj", "g_proj"))
+                or leaf in ("routed_expert_down_proj", "routed_expert_up_proj")
+                or (layer and int(layer.group(1)) in kda and leaf == "f_b_proj")
                 or re.search(r"(_res_norm|_res_proj|output_attn_res_norm|output_attn_res_proj)$", name)
                 or "Norm" in type(module).__name__
                 or name in ("vision_tower", "mm_projector", "language_model.lm_head")):
@@ -411,14 +413,17 @@ def _mla_and_kda(model):
 
 
 def _assert_attention(model, enabled, fp8_check):
+    """o_proj and g_proj in every layer, KDA's whole input group q/k/v/g/f_a/b (one GEMM in vLLM) and MLA's
+    q_a/kv_a_proj_with_mqa are quantized alike; KDA's f_b_proj is not."""
     mla, kda = _mla_and_kda(model)
     for i in range(len(model.language_model.model.layers)):
         prefix = f"language_model.model.layers.{i}.self_attn"
-        fp8_check(enabled[f"{prefix}.o_proj.weight_quantizer"])
-        if i in mla:
-            fp8_check(enabled[f"{prefix}.g_proj.weight_quantizer"])
-        else:
-            assert f"{prefix}.g_proj.weight_quantizer" not in enabled
+        group = ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj") if i in kda else (
+            "q_a_proj", "kv_a_proj_with_mqa", "g_proj")
+        for leaf in ("o_proj",) + group:
+            fp8_check(enabled[f"{prefix}.{leaf}.weight_quantizer"])
+        if i in kda:
+            assert f"{prefix}.f_b_proj.weight_quantizer" not in enabled
 
 
 def _assert_nvfp4_experts(model, enabled):
@@ -446,8 +451,9 @@ def test_fp8_all_end_to_end(quantized):
         assert q.num_bits == FP8 and q.amax is not None
 
     _assert_attention(model, enabled, fp8)
-    for name in ("mlp.down_proj", "block_sparse_moe.shared_experts.up_proj", "block_sparse_moe.routed_expert_up_proj"):
+    for name in ("mlp.down_proj", "block_sparse_moe.shared_experts.up_proj"):
         assert any(n.endswith(f"{name}.weight_quantizer") for n in enabled), name
+    assert not [n for n in enabled if "routed_expert_" in n]  # no engine quantizes the latent projections
     assert sum(".experts.gate_up_proj_weight_quantizers." in n for n in enabled) > 0
     R.check_patterns_match(config, model)
     with torch.no_grad():  # FP8 fake quant runs on a CPU
@@ -468,12 +474,8 @@ def test_production_recipe_end_to_end(quantized):
     rest = [n for n in enabled if ".block_sparse_moe.experts." not in n and not n.endswith("weight_quantizer")]
     assert not rest, rest
     assert not [n for n in enabled if re.search(r"(shared_experts|\.mlp\.|routed_expert_(down|up)_proj)", n)]
-    # KDA g_proj is the only exclusion the YAML cannot state: quant_config added globs for exactly those layers
-    mla, kda = _mla_and_kda(model)
-    added = [e["quantizer_name"] for e in config["quant_cfg"][len(R.load(PRODUCTION)["quantize"]["quant_cfg"]):]]
-    for i in mla + kda:
-        name = f"language_model.model.layers.{i}.self_attn.g_proj.weight_quantizer"
-        assert any(fnmatch.fnmatchcase(name, p) for p in added) == (i in kda), (i, added)
+    # the unit holds every family exclusion already: quant_config appends none
+    assert len(config["quant_cfg"]) == len(R.load(PRODUCTION)["quantize"]["quant_cfg"])
     R.check_patterns_match(config, model)
 
 
@@ -521,39 +523,31 @@ def test_quant_config_needs_a_known_family():
 
 
 def test_family_exclusions_skip_globs_already_in_effect(checkpoint):
-    """Per-layer globs that an earlier final disabling `*X*` glob covers are not appended (they would change
-    nothing and cost conversion time); an entry that may enable something after that glob keeps them."""
+    """Family globs that an earlier final disabling glob already states, or that a final `*X*` glob covers, are
+    not appended (they would change nothing and cost conversion time); an entry that may enable something
+    after such a glob keeps them."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=True)
-    cfg = R.quant_config(R.load(PRODUCTION), config)["quant_cfg"]
-    per_layer = [e["quantizer_name"] for e in cfg if ".self_attn." in e["quantizer_name"] and "layers." in
-                 e["quantizer_name"]]
-    text = config.get_text_config()
-    kda = [i for i in range(text.num_hidden_layers) if text.is_kda_layer(i)]
-    # only g_proj, for exactly the KDA layers; f_a/f_b/b: the unit's globs cover them
-    assert per_layer and all(p.endswith(".self_attn.g_proj*") for p in per_layer)
-    for i in range(text.num_hidden_layers):
-        name = f"language_model.model.layers.{i}.self_attn.g_proj.weight_quantizer"
-        assert any(fnmatch.fnmatchcase(name, p) for p in per_layer) == (i in kda), i
-    # the same globs after an entry that enables quantizers are not final: every family glob is appended
-    late = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*self_attn.f_a_proj*", "enable": False},
+    family = list(dict.fromkeys(R._family(config).quantizer_exclusions(config)))
+    assert R.family_exclusion_entries(R.load(PRODUCTION)["quantize"]["quant_cfg"], config) == []
+    # the same globs before an entry that enables quantizers are not final: every family glob is appended
+    late = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*self_attn.f_b_proj*", "enable": False},
             {"quantizer_name": "*norm*", "enable": False}, O_PROJ_FP8]
-    added = [e["quantizer_name"] for e in R.family_exclusion_entries(late, config)]
-    assert "*norm*" in added and any(p.endswith(".self_attn.f_a_proj*") for p in added)
-    # final ones are skipped, exactly or covered; a glob with other wildcards covers nothing
-    final = [O_PROJ_FP8, {"quantizer_name": "*self_attn.f_a_proj*", "enable": False},
-             {"quantizer_name": "*self_attn.b?proj*", "enable": False}]
+    assert [e["quantizer_name"] for e in R.family_exclusion_entries(late, config)] == family
+    # final ones are skipped, exactly or covered (`*_res_proj*` inside `*res_proj*`); a glob with other
+    # wildcards covers nothing
+    final = [O_PROJ_FP8, {"quantizer_name": "*res_proj*", "enable": False},
+             {"quantizer_name": "*self_attn.f_?_proj*", "enable": False}]
     added = [e["quantizer_name"] for e in R.family_exclusion_entries(final, config)]
-    assert not any(p.endswith(".self_attn.f_a_proj*") for p in added)
-    assert any(p.endswith(".self_attn.b_proj*") for p in added) and "*norm*" in added
+    assert "*_res_proj*" not in added and "*self_attn.f_b_proj*" in added and "*norm*" in added
+    assert len(added) == len(family) - 1
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_skipped_family_globs_leave_every_quantizer_as_it_was(checkpoint, name):
-    """The quantizers after ModelOpt's conversion with the family's globs as appended now (already-effective ones
-    skipped, one glob per ten layers) equal those with every glob appended one per layer (the behaviour
-    before), attribute for attribute."""
+    """The quantizers after ModelOpt's conversion with the family's globs as appended (already-effective ones
+    skipped) equal those with every family glob appended, attribute for attribute."""
     from modelopt.torch.quantization.conversion import replace_quant_module, set_quantizer_by_cfg
     from modelopt.torch.quantization.nn import TensorQuantizer
 
@@ -565,12 +559,9 @@ def test_skipped_family_globs_leave_every_quantizer_as_it_was(checkpoint, name):
         cfg = R.quant_config(R.load(name), model.config, family_exclusions=False)["quant_cfg"]
         if prune:
             cfg = cfg + R.family_exclusion_entries(cfg, model.config)
-        else:  # as before: the family's static globs, then one glob per KDA layer and projection
-            text = model.config.get_text_config()
-            static = [p for p in R._family(model.config).quantizer_exclusions(model.config) if "layers." not in p]
-            per_layer = [f"*layers.{i}.self_attn.{leaf}*" for i in range(text.num_hidden_layers) if text.is_kda_layer(i)
-                         for leaf in ("f_a_proj", "f_b_proj", "b_proj", "g_proj")]
-            cfg = cfg + [{"quantizer_name": p, "enable": False} for p in static + per_layer]
+        else:  # every family glob appended, whether already in effect or not
+            family = R._family(model.config).quantizer_exclusions(model.config)
+            cfg = cfg + [{"quantizer_name": p, "enable": False} for p in family]
         replace_quant_module(model)
         set_quantizer_by_cfg(model, cfg)
         states.append(({n: (m.is_enabled, repr(m)) for n, m in model.named_modules() if isinstance(m, TensorQuantizer)},

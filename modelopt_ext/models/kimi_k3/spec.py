@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from modelopt_ext.families import FamilySpec, register_family
+from modelopt_ext.families import FamilySpec, ServingSpec, register_family
 
+from . import serving
 from .config_check import check_config
 from .convert import expert_converters
 from .sizes import BUNDLED_CONFIG, plan_sizes
@@ -29,15 +30,20 @@ EP_PLAN = {
 
 
 def quantizer_exclusions(config) -> tuple[str, ...]:
-    """Quantizer-name globs that stay unquantized: routers, KDA gates/conv/decay, AttnRes, norms, vision.
+    """Quantizer-name globs that stay unquantized under every recipe (the same for every config).
 
-    KDA's `g_proj` (output gate) is excluded only in KDA layers; MLA layers keep theirs quantizable, as
-    they keep `o_proj` in every layer.
+    - what no serving engine quantizes (models/kimi_k3/serving.py): the router, the latent projections
+      `routed_expert_{down,up}_proj`, the AttnRes projections, the KDA convolutions, vision tower, projector;
+    - KDA's decay-gate up projection `f_b_proj` (no engine fuses it; 1.6 M parameters a layer at full size) and
+      the decay parameters, every norm, lm_head and the embeddings.
+
+    KDA's other projections (q/k/v/g/f_a/b) form one fused group in the engines and are left to the recipe,
+    which must treat them alike (checked in validate: quant/fused_groups.py).
     """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kda_layers = [i for i in range(text.num_hidden_layers) if text.is_kda_layer(i)]
-    patterns = [
+    return (
         "*block_sparse_moe.gate*",
+        "*block_sparse_moe.routed_expert_*_proj*",
+        "*self_attn.f_b_proj*",
         "*conv1d*",
         "*A_log*",
         "*dt_bias*",
@@ -49,22 +55,7 @@ def quantizer_exclusions(config) -> tuple[str, ...]:
         "*mm_projector*",
         "*lm_head*",
         "*embed_tokens*",
-    ]
-    for leaf in ("f_a_proj", "f_b_proj", "b_proj", "g_proj"):
-        patterns += layer_globs(kda_layers, f"self_attn.{leaf}")
-    return tuple(patterns)
-
-
-def layer_globs(layers: list[int], suffix: str) -> list[str]:
-    """fnmatch globs that together match exactly the names `*layers.{i}.{suffix}*` for i in `layers`: ids
-    sharing all but their last digit in one glob, the last digit as a character class (`*layers.1[0245].X*`
-    is the union of `*layers.10.X*`, `*layers.12.X*`, ...). One glob per ten layers instead of one per layer:
-    ModelOpt matches every entry against every module (docs/calibration.md)."""
-    tens: dict[str, list[str]] = {}
-    for i in sorted(set(layers)):
-        tens.setdefault(str(i)[:-1], []).append(str(i)[-1])
-    return [f"*layers.{head}{last[0] if len(last) == 1 else '[' + ''.join(last) + ']'}.{suffix}*"
-            for head, last in tens.items()]
+    )
 
 
 def _load(path, **kwargs):
@@ -98,5 +89,13 @@ KIMI_K3 = register_family(
         default_recipe="kimi_k3/nvfp4_experts-fp8_attention",
         export_expert_names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
         check_config=check_config,
+        serving=ServingSpec(
+            engines=serving.ENGINES,
+            fused_groups=serving.fused_groups,
+            never_quantized=serving.never_quantized,
+            engine_name=serving.engine_name,
+            layer_aliases=serving.layer_aliases,
+            linear_shape=serving.linear_shape,
+        ),
     )
 )
