@@ -7,6 +7,7 @@ import logging
 import sys
 import traceback
 
+from modelopt_ext.export.engine_names import ENGINES as SERVING_ENGINES
 from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
 
 STANDIN_GENERATORS = {"kimi_k3": make_tiny}
@@ -101,8 +102,30 @@ def _run_plan(args) -> int:
         config, args.nproc, ep_size=args.ep, dense=args.dense, device_memory_bytes=memory,
         tokens_per_rank=args.tokens_per_rank,
     )
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.summary())
+    blocks = _fp8_block_lines(config)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "fp8_blocks": blocks}, indent=2))
+    else:
+        print(plan.summary())
+        if blocks:
+            print("FP8 128x128 blocks of fused groups (default recipe; exported at the logical shape with one scale "
+                  "per started block, the engine pads: docs/export.md):")
+            print("\n".join(f"  {line}" for line in blocks))
     return 0
+
+
+def _fp8_block_lines(config) -> list[str]:
+    """The default recipe's FP8 block shapes of the family's fused groups (`export.serving.fp8_block_report`)."""
+    from modelopt_ext.families import family_for_config
+
+    family = family_for_config(config, source="config")
+    if family.serving is None or family.default_recipe is None:
+        return []
+    from modelopt_ext.export.serving import fp8_block_report
+    from modelopt_ext.quant import recipes
+
+    cfg = recipes.quant_config(recipes.load(family.default_recipe), config)["quant_cfg"]
+    return fp8_block_report(config, family.serving, cfg)
 
 
 def _add_verify(sub) -> None:
@@ -120,11 +143,26 @@ def _add_verify(sub) -> None:
         "--tolerance-factor", metavar="X", type=float, default=1.0,
         help="scale the quantization error bounds (default 1.0)",
     )
+    p.add_argument(
+        "--engine", metavar="NAME[,NAME]", type=_engine_names, action="append", default=None,
+        help=f"also check the rules of serving engines ({', '.join(SERVING_ENGINES)}, all; repeatable or comma "
+        "separated): one PASS/FAIL line per rule, exit 2 if any fails (docs/export.md, 'Serving engines')",
+    )
+
+
+def _engine_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in (*SERVING_ENGINES, "all")]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"invalid engine {', '.join(unknown) or repr(text)} (choose from {', '.join(SERVING_ENGINES)}, all)")
+    return names
 
 
 def _run_verify(args) -> int:
     from modelopt_ext.export.verify import ExportInvalid, verify_export
 
+    status = 0
     try:
         report = verify_export(
             args.export_dir, args.source, tolerance_factor=args.tolerance_factor, write_manifest=args.write_manifest
@@ -133,9 +171,20 @@ def _run_verify(args) -> int:
         print(f"modelopt-ext verify: {args.export_dir} is invalid, {len(e.problems)} problem(s):", file=sys.stderr)
         for problem in e.problems:
             print(f"  - {problem}", file=sys.stderr)
-        return 2
-    print(report.summary())
-    return 0
+        status = 2
+    else:
+        print(report.summary())
+    if args.engine:
+        from modelopt_ext.export.engines import check_engines, engine_verdicts, format_results
+
+        results = check_engines(args.export_dir, [name for names in args.engine for name in names])
+        for line in format_results(results):
+            print(line)
+        failed = [engine for engine, ok in engine_verdicts(results).items() if not ok]
+        if failed:
+            print(f"modelopt-ext verify: {args.export_dir} breaks the rules of {', '.join(failed)}", file=sys.stderr)
+            status = 2
+    return status
 
 
 def _add_ptq(sub) -> None:
@@ -180,6 +229,11 @@ def _add_ptq(sub) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"bound on every collective wait (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--summary-json", default=None, metavar="PATH", help="also write the summary as JSON (rank 0)")
+    p.add_argument(
+        "--engine", metavar="NAME[,NAME]", type=_engine_names, action="append", default=None,
+        help=f"serving engines the export must load in ({', '.join(SERVING_ENGINES)}, all; default all): their "
+        "rules run on the export at the end, and a failed one makes ptq exit non-zero (the export stays)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-warmup", action="store_true",
                    help="on GPUs, no warm-up forward of a small model of the same classes during the load "

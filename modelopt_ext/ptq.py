@@ -17,7 +17,9 @@ Phases, each timed, run on every rank in step:
   forwards are collective), `calibrate`. The recipe's patterns are checked against
   the quantized model after the first batch rather than after the whole run.
 - export: `export_checkpoint`, with the expert coverage (coverage.json, coverage.png) added to the export.
-- summary: per-rank figures gathered to every rank (`PtqSummary`), logged on rank 0.
+- engines: the serving engines' loading rules on the published export (`export.engines`, as `modelopt-ext
+  verify --engine`; `--engine` picks the engines, default all); a broken rule fails the run, the export stays.
+- summary: per-rank figures gathered to every rank (`PtqSummary`, with a verdict per engine), logged on rank 0.
 
 Under torch.distributed each phase runs inside `dist.all_or_fail`, so every rank fails together; a failure
 leaves `run_ptq` as `PtqError`, whose message starts with the phase.
@@ -59,7 +61,7 @@ if TYPE_CHECKING:  # imported where used: modelopt_ext.quant imports ModelOpt (s
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("validate", "load", "calibrate", "export", "summary")
+PHASES = ("validate", "load", "calibrate", "export", "engines", "summary")
 POSITIVE = ("calib_size", "batch_size", "seq_len", "ep", "experts_per_file", "timeout")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: the bound on one collective wait must be a real bound
 
@@ -104,6 +106,8 @@ class PtqSummary:
     # and first "tokenize": the tokenizing thread's seconds, spent while the model loaded (not in the phase);
     # on GPUs "warmup" before it: the warm-up forward's seconds, also during the load (absent when none ran)
     calibrate_parts: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # serving engine -> whether the export passed every rule of `modelopt-ext verify --engine` for it
+    engines: dict[str, bool] = dataclasses.field(default_factory=dict)
     rank: int = dataclasses.field(default=0, compare=False)  # the rank holding this copy
 
     @property
@@ -146,6 +150,9 @@ class PtqSummary:
                 f"{'-' if device is None else format_bytes(device)}; read {format_bytes(self.bytes_read[r])}, "
                 f"written {format_bytes(self.bytes_written[r])}"
             )
+        if self.engines:
+            verdicts = ", ".join(f"{e} {'OK' if ok else 'FAILED'}" for e, ok in self.engines.items())
+            lines.append(f"serving engines: {verdicts}")
         return lines + [self.coverage]
 
 
@@ -304,8 +311,11 @@ class _Run:
         with self.phase("export"):
             calibrated = sum(gather_objects(tokens))  # every rank's, for the export's provenance
             export = all_or_fail("export", lambda: self._export(result, inputs, calibrated))
+        with self.phase("engines"):
+            engines = self._check_engines(inputs, export.export_dir)
         with self.phase("summary"):
             summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line(), result.seconds)
+            summary.engines = engines
         if self.rank == 0:
             logger.info("ptq summary: %s", json.dumps(summary.to_dict()))
             if a.summary_json:
@@ -432,6 +442,31 @@ class _Run:
             return writer.export_checkpoint(
                 result.model, a.export_dir, source_dir=a.model, **options, write_extra=write_extra, progress=bar
             )
+
+    def _check_engines(self, inputs: Inputs, export_dir: Path) -> dict[str, bool]:
+        """The serving engines' loading rules on the published export (`export.engines`, what `modelopt-ext
+        verify --engine all` checks), run by rank 0; a failed rule fails every rank, naming it. The export
+        stays for inspection."""
+        if inputs.family.serving is None:
+            return {}
+        from modelopt_ext.export.engines import check_engines, engine_verdicts, format_results
+
+        engines = [e for names in (getattr(self.args, "engine", None) or [["all"]]) for e in names]
+
+        def check():
+            if self.rank != 0:
+                return None
+            results = check_engines(export_dir, engines)
+            for line in format_results(results):
+                (logger.debug if line.startswith("PASS") else logger.error)("%s", line)
+            return engine_verdicts(results), [line for line in format_results(results) if line.startswith("FAIL")]
+
+        verdicts, failed = gather_objects(all_or_fail("engines", check))[0]
+        if failed:
+            raise ValueError(f"the export {export_dir} breaks {len(failed)} serving-engine rule(s); it is kept for "
+                             f"inspection (`modelopt-ext verify {export_dir} --engine all` repeats the checks): "
+                             + " | ".join(failed[:3]) + (f" | {len(failed) - 3} more" if len(failed) > 3 else ""))
+        return verdicts
 
     def _summary(self, model, inputs: Inputs, export, tokens: int, coverage: str,
                  calibrate_parts: dict[str, float]) -> PtqSummary:

@@ -11,4 +11,4 @@ modelopt-ext make-tiny kimi_k3 runs/tiny-kimi-k3 --force
 torchrun --standalone --nproc-per-node 2 -m modelopt_ext ptq \
   --model runs/tiny-kimi-k3 --export-dir runs/tiny-kimi-k3-nvfp4 --overwrite \
   --calib-size 64 --batch-size 4 --seq-len 128 --summary-json runs/tiny-kimi-k3-nvfp4.summary.json
-modelopt-ext verify runs/tiny-kimi-k3-nvfp4 --source runs/tiny-kimi-k3
+modelopt-ext verify runs/tiny-kimi-k3-nvfp4 --source runs/tiny-kimi-k3 --engine all

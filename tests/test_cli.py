@@ -301,6 +301,7 @@ def test_plan_json_parses(tiny_ckpt, capsys):
     assert (d["world_size"], d["ep_size"], d["dense"], d["experts_per_rank"], d["tokens_per_rank"]) == (
         8, 4, "fsdp", 4, 128)
     assert d["device_memory_bytes"] == 8 * 2**30
+    assert [line.split(":")[0] for line in d["fp8_blocks"]] == ["KDA input projections", "MLA latent down projections"]
 
 
 def test_plan_kimi_k3_ep64_on_h200(capsys):
@@ -312,6 +313,11 @@ def test_plan_kimi_k3_ep64_on_h200(capsys):
     assert experts and 21 <= float(experts.group(2)) <= 25, out  # GB per rank
     assert re.search(r"read from disk\s+[\d.]+\s+2[2-6]\.\d", out), out
     assert "fsdp_size=64, ep_size=64" in out
+    # the FP8 128x128 block decision at real sizes: partial blocks only at the end of each fused group
+    assert "FP8 128x128 blocks of fused groups (default recipe; exported at the logical shape" in out
+    assert ("  KDA input projections: q_proj 12288 + k_proj 12288 + v_proj 12288 + g_proj 12288 + f_a_proj 128 + "
+            "b_proj 96 = 49376 rows = 385 blocks + 96 rows; partial block in b_proj (the group's last member") in out
+    assert "  MLA latent down projections: q_a_proj 1536 + kv_a_proj_with_mqa 576 = 2112 rows = 16 blocks + 64" in out
 
 
 @pytest.mark.parametrize(

@@ -331,6 +331,8 @@ def test_single_process(single_run):
     summary = json.loads((root / "summary.json").read_text())
     assert (summary["world_size"], summary["ep_size"], summary["tokens"]) == (1, None, [8 * 16])
     assert list(summary["seconds"]) == list(ptq.PHASES)
+    assert summary["engines"] == {"vllm": True, "sglang": True, "trtllm": True}  # their loading rules all hold
+    assert "serving engines: vllm OK, sglang OK, trtllm OK" in out
     assert summary["bytes_read"][0] > 0 and summary["bytes_written"][0] > 0
     lines = out.splitlines()  # transformers and ModelOpt print notices to stdout before the summary
     start = next(i for i, line in enumerate(lines) if line.startswith("exported "))
@@ -398,6 +400,24 @@ def test_the_export_records_its_provenance(single_run):
     assert calibration["experts_without_tokens"] == 0
     listed = (root / "export" / "MANIFEST.sha256").read_text()
     assert "modelopt_ext_provenance.json" in listed
+
+
+@EXPORTER
+def test_an_engine_rule_broken_by_the_export_fails_the_run_and_keeps_the_export(tiny_ckpt, tmp_path, capsys):
+    """fp8_all quantizes the routed experts to FP8, which TensorRT-LLM's Kimi-K3 MoE does not load (NVFP4 or
+    MXFP4 only): with `--engine trtllm` the run exits non-zero naming the rule; the export is left in place;
+    with `--engine vllm,sglang` the same run succeeds."""
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "engines")
+    argv = ["ptq", "--model", str(model), "--export-dir", str(tmp_path / "out"), *FAST, "--recipe", "kimi_k3/fp8_all"]
+    capsys.readouterr()
+    assert main(argv + ["--engine", "trtllm"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("modelopt-ext ptq: error: ")]
+    assert err[-1].startswith(f"modelopt-ext ptq: error: engines: the export {tmp_path / 'out'} breaks 1 "
+                              "serving-engine rule(s); it is kept for inspection"), err
+    assert "FAIL trtllm names (" in err[-1] and "block_sparse_moe.experts" in err[-1]
+    assert (tmp_path / "out" / "MANIFEST.sha256").is_file()
+    assert main(argv + ["--engine", "vllm,sglang", "--overwrite"]) == 0
+    assert "serving engines: vllm OK, sglang OK" in capsys.readouterr().out
 
 
 def test_ranks_fail_together_on_differing_arguments(tiny_ckpt, tmp_path):

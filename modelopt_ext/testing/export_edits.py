@@ -1,5 +1,6 @@
-"""Edits of an export's files for the verify tests: read the index, find a tensor's shard, rewrite a shard,
-and restore the index's total_size after an edit (so a test breaks exactly one thing)."""
+"""Edits of an export's files for the verify tests: read the index, find a tensor's shard, rewrite a shard, edit
+both quantization configs alike, and restore the index's total_size after an edit (so a test breaks exactly one
+thing)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def fix_total_size(export: Path) -> None:
         total += sum(t.numel() * t.element_size() for t in load_file(str(export / shard)).values())
     index["metadata"]["total_size"] = total
     (export / INDEX).write_text(json.dumps(index))
+
+
+def edit_quant_configs(export: Path, edit) -> None:
+    """Apply `edit` to hf_quant_config.json's `quantization` and config.json's `quantization_config` alike."""
+    hf = json.loads((export / "hf_quant_config.json").read_text())
+    edit(hf["quantization"])
+    (export / "hf_quant_config.json").write_text(json.dumps(hf))
+    config = json.loads((export / "config.json").read_text())
+    edit(config["quantization_config"])
+    (export / "config.json").write_text(json.dumps(config))

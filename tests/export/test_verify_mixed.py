@@ -17,15 +17,15 @@ from safetensors.torch import save_file
 from modelopt_ext.export.manifest import _write_manifest, file_digests
 from modelopt_ext.export.verify import MANIFEST_NAME, ExportInvalid, verify_export
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.export_edits import fix_total_size, read_index, rewrite, shard_of
+from modelopt_ext.testing.export_edits import edit_quant_configs, fix_total_size, read_index, rewrite, shard_of
 
 INDEX = "model.safetensors.index.json"
 RECIPE = "kimi_k3/nvfp4_experts-fp8_attention"
 LAYERS = "language_model.model.layers"
 EXPERTS = f"{LAYERS}.1.block_sparse_moe.experts"
 W1 = f"{EXPERTS}.3.w1"
-Q_PROJ = f"{LAYERS}.0.self_attn.q_proj"  # [128, 128]: one 128x128 block
-Q_B = f"{LAYERS}.2.self_attn.q_b_proj"  # [192, 64]: two row blocks
+F_A = f"{LAYERS}.0.self_attn.f_a_proj"  # [128, 128]: one 128x128 block
+Q_B = f"{LAYERS}.2.self_attn.q_b_proj"  # [192, 128]: two row blocks
 
 
 def _writer_export(source: Path, out: Path) -> None:
@@ -111,16 +111,6 @@ def _copy(export: Path, tmp_path: Path) -> Path:
     return out
 
 
-def _edit_quant_configs(export: Path, edit) -> None:
-    """Apply `edit` to hf_quant_config.json's quantization and config.json's quantization_config alike."""
-    hf = json.loads((export / "hf_quant_config.json").read_text())
-    edit(hf["quantization"])
-    (export / "hf_quant_config.json").write_text(json.dumps(hf))
-    config = json.loads((export / "config.json").read_text())
-    edit(config["quantization_config"])
-    (export / "config.json").write_text(json.dumps(config))
-
-
 def _sealed_verify(export: Path, source: Path | None = None, **kwargs):
     """verify_export after writing the manifest for the files as they are now: these tests edit exports to test
     the other checks (and ModelOpt's own exporter writes no manifest)."""
@@ -144,7 +134,7 @@ def test_mixed_export_passes_with_source(mixed):
     assert hf["quant_algo"] == "MIXED_PRECISION" and hf["quantized_layers"][EXPERTS]["quant_algo"] == "NVFP4"
     headers = _headers(export)
     assert f"{W1}.weight" in headers and not any(k.startswith(f"{EXPERTS}.") and ".gate_proj." in k for k in headers)
-    assert headers[f"{Q_B}.weight"] == ("F8_E4M3", [192, 64]) and headers[f"{Q_PROJ}.weight_scale"] == ("F32", [])
+    assert headers[f"{Q_B}.weight"] == ("F8_E4M3", [192, 128]) and headers[f"{F_A}.weight_scale"] == ("F32", [])
     assert headers[f"{Q_B}.weight_scale"] == ("F32", [2, 1, 1, 1])  # ModelOpt's amax shape, kept as is
     n_pb = sum(cfg["quant_algo"] == "FP8_PB_WO" and f"{k}.weight" in headers for k, cfg in hf["quantized_layers"].items())
     n_nvfp4 = sum(k.endswith(".weight_scale_2") for k in headers)
@@ -168,7 +158,7 @@ def test_modelopt_fp8_pb_wo_export_passes(fp8_pb_wo):
     hf = json.loads((export / "hf_quant_config.json").read_text())["quantization"]
     assert hf["quant_algo"] == "fp8_pb_wo" and "group_size" not in hf
     headers = _headers(export)
-    assert headers[f"{Q_B}.weight"] == ("F8_E4M3", [192, 64]) and headers[f"{Q_B}.weight_scale"][1] == [2, 1, 1, 1]
+    assert headers[f"{Q_B}.weight"] == ("F8_E4M3", [192, 128]) and headers[f"{Q_B}.weight_scale"][1] == [2, 1, 1, 1]
     report = _sealed_verify(export, src)
     assert dict(report.quantized) == {"FP8_PB_WO": sum(d == "F8_E4M3" for d, _ in headers.values())}
     assert 0.5 < report.max_bound_ratio["FP8_PB_WO"] <= 1.0
@@ -180,8 +170,8 @@ def test_modelopt_fp8_pb_wo_export_passes(fp8_pb_wo):
 
 @pytest.mark.parametrize("module, scale, expected", [
     (Q_B, torch.full((2, 2), 1e-3), "has shape [2, 2], expected [2, 1]"),
-    (Q_PROJ, torch.full((2,), 1e-3), "has shape [2], expected [1, 1]"),
-    (Q_PROJ, torch.tensor(1e-3, dtype=torch.bfloat16), "is BF16 [], expected F32 (FP8_PB_WO block scale)"),
+    (F_A, torch.full((2,), 1e-3), "has shape [2], expected [1, 1]"),
+    (F_A, torch.tensor(1e-3, dtype=torch.bfloat16), "is BF16 [], expected F32 (FP8_PB_WO block scale)"),
 ])
 def test_fp8_pb_wo_scale_with_wrong_shape_or_dtype(mixed, tmp_path, module, scale, expected):
     src, export = mixed[0], _copy(mixed[1], tmp_path)
@@ -199,7 +189,7 @@ def test_fp8_weight_stored_as_bf16_is_reported(mixed, tmp_path):
     key = f"{Q_B}.weight"
     rewrite(shard_of(export, key), lambda t: t.__setitem__(key, t[key].to(torch.bfloat16)))
     fix_total_size(export)
-    expected = (f"{key} is BF16 [192, 64], expected F8_E4M3 (FP8_PB_WO weight)",)
+    expected = (f"{key} is BF16 [192, 128], expected F8_E4M3 (FP8_PB_WO weight)",)
     assert _problems(export) == _problems(export, src) == expected
 
 
@@ -221,7 +211,7 @@ def test_fp8_pb_wo_scaled_block_breaks_the_bound(mixed, tmp_path):
 
 def test_expert_module_not_listed_is_reported(mixed, tmp_path):
     src, export = mixed[0], _copy(mixed[1], tmp_path)
-    _edit_quant_configs(export, lambda q: q["quantized_layers"].pop(EXPERTS))
+    edit_quant_configs(export, lambda q: q["quantized_layers"].pop(EXPERTS))
     expected = {
         f"{EXPERTS}.{e}.{w} has quantized tensors ({EXPERTS}.{e}.{w}.weight_scale, {EXPERTS}.{e}.{w}.weight_scale_2, "
         f"{EXPERTS}.{e}.{w}.input_scale) but neither it nor an ancestor is in quantized_layers"
@@ -233,7 +223,7 @@ def test_expert_module_not_listed_is_reported(mixed, tmp_path):
 
 def test_exact_entry_overrides_its_ancestor(mixed, tmp_path):
     export = _copy(mixed[1], tmp_path)
-    _edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(W1, {"quant_algo": "FP8_PB_WO"}))
+    edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(W1, {"quant_algo": "FP8_PB_WO"}))
     problems = _problems(export)
     assert f"{W1}.weight is U8 [64, 32], expected F8_E4M3 (FP8_PB_WO weight)" in problems
     assert all(p.startswith(W1) or "orphan scale" in p for p in problems), problems
@@ -245,21 +235,21 @@ def test_exclude_modules_win_over_quantized_layers(mixed, tmp_path):
 
     def exclude(q):
         key = "ignore" if "quant_method" in q else "exclude_modules"
-        q[key] = [*q.get(key, []), pattern, Q_PROJ]
+        q[key] = [*q.get(key, []), pattern, F_A]
 
-    _edit_quant_configs(export, exclude)
+    edit_quant_configs(export, exclude)
     problems = _problems(export)
     assert len(problems) == 16 * 3 + 1
     assert all(" matches exclude_modules but has quantized tensors " in p for p in problems)
-    assert any(p.startswith(f"{Q_PROJ} matches") for p in problems)
+    assert any(p.startswith(f"{F_A} matches") for p in problems)
 
 
 def test_malformed_quantized_layers_are_problems(mixed, tmp_path):
     export = _copy(mixed[1], tmp_path)
-    _edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(Q_PROJ, "FP8_PB_WO"))
+    edit_quant_configs(export, lambda q: q["quantized_layers"].__setitem__(F_A, "FP8_PB_WO"))
     problems = _problems(export)
-    assert f"hf_quant_config.json quantized_layers[{Q_PROJ}] is 'FP8_PB_WO', expected an object" in problems
-    assert any(p.startswith(f"{Q_PROJ} has quantized tensors") for p in problems)
+    assert f"hf_quant_config.json quantized_layers[{F_A}] is 'FP8_PB_WO', expected an object" in problems
+    assert any(p.startswith(f"{F_A} has quantized tensors") for p in problems)
 
 
 # ----------------------------------------------------------------------------------------------------

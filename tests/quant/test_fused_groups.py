@@ -88,8 +88,15 @@ def test_ptq_refuses_a_split_group_in_validate(tiny_ckpt, tmp_path, loads, capsy
     assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before
 
 
+@pytest.fixture(scope="module")
+def own_copy(tiny_ckpt, tmp_path_factory):
+    """A copy with its own remote-code module: ModelOpt's conversion changes the classes it quantizes, which
+    must not reach other tests' models of the shared checkpoint."""
+    return copy_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("fused_groups"), "fused_groups")
+
+
 @pytest.mark.parametrize("name", SHIPPED + ["split"])
-def test_states_equal_modelopt_conversion(name, tiny_ckpt, tmp_path, config):
+def test_states_equal_modelopt_conversion(name, own_copy, tmp_path, config):
     """For every quantizer of the converted tiny model (every linear, not only the fused groups' members):
     enabled as worked out, with the worked-out bits and blocks."""
     from modelopt.torch.quantization.conversion import replace_quant_module, set_quantizer_by_cfg
@@ -101,7 +108,7 @@ def test_states_equal_modelopt_conversion(name, tiny_ckpt, tmp_path, config):
                                       {"quantizer_name": "*mlp.up_proj.input_quantizer", "cfg": {"num_bits": 8}}]) \
         if name == "split" else name
     cfg = R.quant_config(R.load(recipe), config)["quant_cfg"]
-    model = modelopt_ext.from_pretrained(tiny_ckpt, trust_remote_code=True, dtype=torch.float32)
+    model = modelopt_ext.from_pretrained(own_copy, trust_remote_code=True, dtype=torch.float32)
     replace_quant_module(model)
     set_quantizer_by_cfg(model, cfg)
     actual = {n: m for n, m in model.named_modules() if isinstance(m, TensorQuantizer)

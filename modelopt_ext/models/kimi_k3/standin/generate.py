@@ -99,7 +99,10 @@ def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
         num_hidden_layers=n,
         num_attention_heads=4,
         num_key_value_heads=4,
-        q_lora_rank=64,
+        # 128 as KDA's head_dim below: the serving engines fuse q_a_proj in front of kv_a_proj_with_mqa (and
+        # f_a_proj, head_dim rows, in front of b_proj), so FP8 128x128 blocks must not straddle the two, as
+        # at Kimi-K3's sizes (q_lora_rank 1536, head_dim 128)
+        q_lora_rank=128,
         kv_lora_rank=32,
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
@@ -116,8 +119,8 @@ def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
         linear_attn_config={
             "full_attn_layers": full,
             "kda_layers": [i for i in range(1, n + 1) if i not in full],
-            "num_heads": 4,
-            "head_dim": 32,
+            "num_heads": 2,
+            "head_dim": 128,
             "short_conv_kernel_size": 4,
             "use_full_rank_gate": True,
             "gate_lower_bound": -5.0,
