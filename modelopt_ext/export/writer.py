@@ -36,6 +36,7 @@ from torch import nn
 
 from modelopt_ext.dist import agree, all_or_fail, gather_objects, in_group
 from modelopt_ext.export.compat import KV_CACHE_MAX_BOUND, export_dtype, fused_property_weights, modelopt_export_api
+from modelopt_ext.export.exact_cast import cast_pair
 from modelopt_ext.export.files import ExportFiles, check_experts_per_file, expert_key_renamer
 from modelopt_ext.export.layout import INDEX_NAME, _read_header
 from modelopt_ext.export.manifest import _write_manifest, file_digests
@@ -68,6 +69,10 @@ class ExportResult:
     bytes_written: tuple[int, ...]  # tensor data bytes each rank wrote
     seconds: float
     warnings: tuple[str, ...] = ()  # publishing: what of a replaced export could not be removed
+    # routed-expert weights written as the exact NVFP4 cast of their MXFP4 source (export/exact_cast.py), and
+    # those re-quantized by ModelOpt because their scales span more than E4M3 holds (named, all ranks)
+    experts_exact: int = 0
+    experts_requantized: tuple[str, ...] = ()
 
 
 def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None) -> ExportFiles:
@@ -104,6 +109,20 @@ def _linear_modules(model: nn.Module, files: ExportFiles) -> list[str]:
         if weight is not None and weight.dim() == 2:
             out.append(name)
     return out
+
+
+def _mxfp4_to_nvfp4(experts: nn.Module) -> bool:
+    """Whether fused experts hold MXFP4 storage (packed codes + E8M0 scales) and NVFP4 weight quantizers."""
+    if not all(hasattr(experts, f"{p}_{part}") for p in ("gate_up_proj", "down_proj") for part in ("packed", "scale")):
+        return False
+    quantizers = [q for p in ("gate_up_proj", "down_proj") for q in getattr(experts, f"{p}_weight_quantizers", ())]
+
+    def nvfp4(q) -> bool:
+        blocks = getattr(q, "block_sizes", None) or {}
+        return (getattr(q, "is_enabled", False) and tuple(getattr(q, "num_bits", ())) == (2, 1)
+                and blocks.get(-1) == 16 and tuple(blocks.get("scale_bits") or ()) == (4, 3))
+
+    return bool(quantizers) and all(nvfp4(q) for q in quantizers)
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:
@@ -169,13 +188,46 @@ class _UnitExporter:
         self.context = api.export_context(model=nn.Module(), dtype=dtype, is_modelopt_qlora=False)
         tied = getattr(model, "all_tied_weights_keys", None) or {}
         self.tied = set(tied) if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
+        self.names = dict(family.export_expert_names)
         self.written: dict[str, str] = {}
         self.bytes_written = 0
+        self.exact = 0
+        self.requantized: list[str] = []
+
+    def _exact_casts(self, modules, offsets: dict[str, int]) -> dict[str, torch.Tensor]:
+        """final key -> tensor for the routed experts stored MXFP4 whose weight quantizers are NVFP4: the
+        exact cast of the source (same codes; w1 and w3 share weight_scale_2). Read before ModelOpt's handlers
+        run (they drop the packed storage). An expert whose scales span too wide a range keeps ModelOpt's."""
+        out: dict[str, torch.Tensor] = {}
+        for name, module in modules:
+            if name not in offsets or not _mxfp4_to_nvfp4(module):
+                continue
+            gate_up, gate_up_scale = module.gate_up_proj_packed, module.gate_up_proj_scale
+            down, down_scale = module.down_proj_packed, module.down_proj_scale
+            half = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                prefix = f"{name}.{offsets[name] + e}"
+                pairs = {
+                    (self.names["gate_proj"], self.names["up_proj"]): [
+                        (gate_up[e, :half], gate_up_scale[e, :half]), (gate_up[e, half:], gate_up_scale[e, half:])],
+                    (self.names["down_proj"],): [(down[e], down_scale[e])],
+                }
+                for projections, sources in pairs.items():
+                    cast = cast_pair(sources)
+                    if cast is None:
+                        self.requantized.append(f"{prefix}.{'/'.join(projections)}")
+                        continue
+                    for projection, w in zip(projections, cast):
+                        for leaf in ("weight", "weight_scale", "weight_scale_2"):
+                            out[f"{prefix}.{projection}.{leaf}"] = getattr(w, leaf)
+                    self.exact += len(projections)
+        return out
 
     def export(self, unit: _Unit) -> None:
         modules = unit.modules()
         offsets = {name: expert_offset(m) for name, m in modules if name.endswith("." + self.files.experts_suffix)}
         materialize(m for _, m in modules)
+        casts = self._exact_casts(modules, offsets)
         for name, module in modules:
             self.api.dispatch_export_handler(name, module, self.context)
         tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -188,6 +240,14 @@ class _UnitExporter:
                 key, value = self._tensor(f"{name}.{attr}", value, offsets)
                 if key is not None:
                     tensors.setdefault(self.files.file_of(key), {})[key] = value
+        for key, value in casts.items():
+            file = tensors.get(self.files.file_of(key), {})
+            held = file.get(key)
+            if held is None or held.shape != value.shape or held.dtype != value.dtype:
+                wrote = None if held is None else (held.dtype, list(held.shape))
+                raise RuntimeError(f"{key}: the exact cast {value.dtype} {list(value.shape)} does not replace what "
+                                   f"ModelOpt's handler wrote ({wrote})")
+            file[key] = value
         for file, content in sorted(tensors.items()):
             if self._writes(unit, file):
                 self._save(file, content)
@@ -324,6 +384,7 @@ def export_checkpoint(
                     progress(i + 1, len(units))
             maps = gather_objects(exporter.written)
             written = tuple(gather_objects(exporter.bytes_written))
+            casts = gather_objects((exporter.exact, exporter.requantized))
             result = all_or_fail("export finalization", lambda: _finalize(
                 staging, source_dir, files, maps, quant_config, modelopt_config, api, write_extra)
                 if rank == 0 else None)
@@ -337,7 +398,14 @@ def export_checkpoint(
     seconds = time.perf_counter() - start
     logger.info("exported %d tensors (%s bytes) in %d files to %s in %.1f s", tensors, f"{total:,}", files.count,
                 export_dir, seconds)
-    return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings)
+    exact = sum(n for n, _ in casts)
+    requantized = tuple(sorted(name for _, names in casts for name in names))
+    if exact or requantized:
+        logger.info("routed experts: %d weights cast exactly from MXFP4 to NVFP4 (codes kept, no added error), %d "
+                    "re-quantized (scales too wide for one per-tensor scale)%s", exact,
+                    sum(len(n.rpartition(".")[2].split("/")) for n in requantized),
+                    f": {', '.join(requantized[:5])}{' ...' if len(requantized) > 5 else ''}" if requantized else "")
+    return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings, exact, requantized)
 
 
 def _new_staging(export_dir: Path, overwrite: bool, rank: int) -> Path | None:
