@@ -122,3 +122,22 @@ def test_the_planted_expert_takes_modelopts_quantization_and_still_verifies(plan
     pair = EXPERTS.format(layer=2) + ".5"
     assert torch.equal(_get(export, f"{pair}.w1.weight_scale_2"), _get(export, f"{pair}.w3.weight_scale_2"))
     assert f"{pair}.w3.weight_scale_2" in read_index(export)["weight_map"]
+
+
+def test_calibration_free_recipe_reproduces_the_baseline(tiny_ckpt, tmp_path):
+    """`kimi_k3/calibration_free` through `modelopt-ext ptq`: NVIDIA's converter's output from this tool.
+    Every expert's input_scale is 1.0, the expert weights are the exact cast, the attention FP8 blocks come
+    from the weights alone, and every engine's rules hold."""
+    from modelopt_ext.cli import main
+    from modelopt_ext.export.verify import verify_export
+
+    source = copy_checkpoint(tiny_ckpt, tmp_path, "calibration_free")
+    out = tmp_path / "out"
+    argv = ["ptq", "--model", str(source), "--export-dir", str(out), "--no-progress", "--dtype", "float32",
+            "--calib-size", "2", "--batch-size", "2", "--seq-len", "16", "--recipe", "kimi_k3/calibration_free"]
+    assert main(argv) == 0
+    scales = [float(_get(out, k)) for k in read_index(out)["weight_map"] if ".experts." in k and
+              k.endswith(".input_scale")]
+    assert len(scales) == 5 * 16 * 3 and set(scales) == {1.0}
+    report = verify_export(out, source)
+    assert report.max_rel_error["NVFP4"] == 0 and report.quantized["FP8_PB_WO"] == 40

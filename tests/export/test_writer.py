@@ -16,6 +16,7 @@ from modelopt_ext.testing.multiproc import run_ranks
 
 PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
 FP8 = "kimi_k3/fp8_all"
+CALIBRATION_FREE = "kimi_k3/calibration_free"
 BODY = "modelopt_ext.testing.export_bodies:calibrate_and_export"
 
 
@@ -29,7 +30,7 @@ def single(source, tmp_path_factory):
     """Single-process exports, by recipe."""
     root = tmp_path_factory.mktemp("single")
     out = {}
-    for recipe in (PRODUCTION, FP8):
+    for recipe in (PRODUCTION, FP8, CALIBRATION_FREE):
         out[recipe] = root / recipe.replace("/", "_")
         calibrate_and_export(0, 1, str(source), str(out[recipe]), recipe)
     return out
@@ -77,7 +78,7 @@ def test_single_process_export_layout(single, source):
 
 @pytest.mark.parametrize("recipe, world_size, dense", [
     (PRODUCTION, 2, "replicate"), (PRODUCTION, 2, "fsdp"), (PRODUCTION, 4, "replicate"), (PRODUCTION, 4, "fsdp"),
-    (FP8, 2, "fsdp"), (FP8, 4, "replicate"),
+    (FP8, 2, "fsdp"), (FP8, 4, "replicate"), (CALIBRATION_FREE, 2, "fsdp"),
 ])
 def test_ep_export_is_byte_identical_to_single_process(single, source, tmp_path, recipe, world_size, dense):
     out = tmp_path / "export"

@@ -15,7 +15,7 @@ from modelopt_ext.quant import recipes as R
 from modelopt_ext.quant.fused_groups import QUANTIZERS, describe, quantizer_states, split_groups
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 
-SHIPPED = ["kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/fp8_all", "kimi_k3/nvfp4_experts_only"]
+SHIPPED = ["kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/fp8_all", "kimi_k3/nvfp4_experts_only", "kimi_k3/calibration_free"]
 PRODUCTION = SHIPPED[0]
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from modelopt_ext.quant import recipes as R
 
-SHIPPED = ["kimi_k3/fp8_all", "kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/nvfp4_experts_only"]
+SHIPPED = ["kimi_k3/calibration_free", "kimi_k3/fp8_all", "kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/nvfp4_experts_only"]
 PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
 NVFP4 = ((2, 1), 16, (4, 3))  # E2M1 values, 16-element blocks, E4M3 scales
 FP8 = (4, 3)
@@ -168,7 +168,7 @@ def test_missing_recipe_lists_what_was_looked_for_and_the_names():
     assert str(R.RECIPES_DIR / "fp9_everything.yaml") in message
     for name in SHIPPED:
         assert name in message
-    with pytest.raises(R.RecipeNotFoundError, match="Available recipes: kimi_k3/fp8_all"):
+    with pytest.raises(R.RecipeNotFoundError, match="Available recipes: kimi_k3/calibration_free, kimi_k3/fp8_all"):
         R.resolve_recipe("units/kimi_k3_exclusions")  # a unit is not a recipe
 
 
