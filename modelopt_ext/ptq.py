@@ -457,9 +457,10 @@ class _Run:
             if self.rank != 0:
                 return None
             results = check_engines(export_dir, engines)
-            for line in format_results(results):
+            lines = format_results(results)
+            for line in lines:
                 (logger.debug if line.startswith("PASS") else logger.error)("%s", line)
-            return engine_verdicts(results), [line for line in format_results(results) if line.startswith("FAIL")]
+            return engine_verdicts(results), [line for line in lines if line.startswith("FAIL")]
 
         verdicts, failed = gather_objects(all_or_fail("engines", check))[0]
         if failed:

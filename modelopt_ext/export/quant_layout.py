@@ -69,7 +69,8 @@ def _same_grid(shape: tuple[int, ...], grid: tuple[int, ...]) -> bool:
     return [d for d in shape if d != 1] == [d for d in grid if d != 1]
 
 
-def _upper(algo):
+def canonical_algo(algo):
+    """An algorithm name as the engines compare it (they upper-case what they read)."""
     return algo.upper() if isinstance(algo, str) else algo
 
 
@@ -103,7 +104,7 @@ def _quantized_layers(layers, where: str, problems: list[str]) -> dict[str, tupl
         if not isinstance(cfg, dict):
             problems.append(f"{where} quantized_layers[{module}] is {cfg!r}, expected an object")
             continue
-        algo = _upper(cfg.get("quant_algo"))
+        algo = canonical_algo(cfg.get("quant_algo"))
         if algo not in SUPPORTED_ALGOS:
             problems.append(f"{where} quantized_layers[{module}]: quant_algo {algo!r} is not supported here")
         size = _positive_int(cfg.get("group_size"), NVFP4_DEFAULT_GROUP_SIZE,
@@ -138,13 +139,13 @@ def _read_quant_spec(export_dir: Path, problems: list[str]) -> _QuantSpec:
         if not isinstance(q, dict):
             problems.append(f"{HF_QUANT_CONFIG_NAME}: no 'quantization' object")
             q = {}
-        algo, kv = _upper(q.get("quant_algo")), q.get("kv_cache_quant_algo")
+        algo, kv = canonical_algo(q.get("quant_algo")), q.get("kv_cache_quant_algo")
         exclude = _names(q.get("exclude_modules"), f"{where} exclude_modules", problems)
         group_size = _positive_int(q.get("group_size"), NVFP4_DEFAULT_GROUP_SIZE, f"{where} group_size", problems)
         layers = q.get("quantized_layers") or {}
     elif isinstance(qc, dict):
         where = "config.json quantization_config"
-        algo, kv = _upper(qc.get("quant_algo")), qc.get("kv_cache_scheme") or None
+        algo, kv = canonical_algo(qc.get("quant_algo")), qc.get("kv_cache_scheme") or None
         layers = qc.get("quantized_layers") or {}
         exclude = _names(qc.get("ignore"), f"{where}.ignore", problems)
         group_size = _positive_int(_group_size(qc, None), NVFP4_DEFAULT_GROUP_SIZE, f"{where} group_size", problems)
@@ -155,7 +156,7 @@ def _read_quant_spec(export_dir: Path, problems: list[str]) -> _QuantSpec:
         if algo is not None:
             problems.append(f"config.json has no quantization_config although {HF_QUANT_CONFIG_NAME} sets {algo}")
     elif hf is not None:
-        if _upper(qc.get("quant_algo")) != algo:
+        if canonical_algo(qc.get("quant_algo")) != algo:
             problems.append(
                 f"config.json quantization_config.quant_algo {qc.get('quant_algo')!r} != "
                 f"{HF_QUANT_CONFIG_NAME} quant_algo {algo!r}"

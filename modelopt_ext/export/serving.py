@@ -30,15 +30,12 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from modelopt_ext.export.quant_layout import FP8_PB_BLOCK as FP8_BLOCK
+from modelopt_ext.export.quant_layout import NVFP4_DEFAULT_GROUP_SIZE as NVFP4_GROUP
+from modelopt_ext.export.quant_layout import canonical_algo as canonical_algo
+
 FP8_BLOCK_ALGO = "FP8_PB_WO"
-FP8_BLOCK = 128
-NVFP4_GROUP = 16
 _LAYER_INDEX = re.compile(r"\.(layers|blocks)\.\d+\.")
-
-
-def canonical_algo(algo: str | None) -> str | None:
-    """An algorithm name as the engines compare it (they upper-case what they read)."""
-    return algo.upper() if isinstance(algo, str) else algo
 
 
 def _vllm_hits(pattern: str, name: str) -> list[str]:

@@ -105,7 +105,7 @@ def _linear_modules(model: nn.Module, files: ExportFiles) -> list[str]:
     for name, module in model.named_modules():
         if experts in name + "." or isinstance(module, nn.Embedding):
             continue
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        weight = module._parameters.get("weight")
         if weight is not None and weight.dim() == 2:
             out.append(name)
     return out
@@ -353,7 +353,8 @@ def export_checkpoint(
     api = modelopt_export_api()
 
     def plan():
-        family = family_for_config(read_config(source_dir), source=str(source_dir / "config.json"))
+        config = read_config(source_dir)
+        family = family_for_config(config, source=str(source_dir / "config.json"))
         files = _file_plan(model, family, experts_per_file)
         dtype = export_dtype(model, api)
         api.prepare_moe_inputs(model, dtype, False)
@@ -363,8 +364,7 @@ def export_checkpoint(
         _refuse_cross_module_formats(modelopt_config)
         quant_config = modelopt_config
         if family.serving is not None:  # as the serving engines parse it (export/serving.py)
-            quant_config = serving_quant_config(modelopt_config, family.serving, read_config(source_dir),
-                                                _linear_modules(model, files))
+            quant_config = serving_quant_config(modelopt_config, family.serving, config, _linear_modules(model, files))
         return family, files, dtype, quant_config, modelopt_config, _source_dtypes(source_dir)
 
     family, files, dtype, quant_config, modelopt_config, source_dtypes = all_or_fail("export planning", plan)

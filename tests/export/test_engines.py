@@ -18,6 +18,7 @@ from modelopt_ext.export import engines
 from modelopt_ext.export.engines import RULES, RuleResult, check_engines, engine_verdicts, format_results
 from modelopt_ext.export.manifest import MANIFEST_NAME, _write_manifest, file_digests
 from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.export_bodies import calibrate_and_export
 from modelopt_ext.testing.export_edits import INDEX, edit_quant_configs, fix_total_size, read_index, rewrite, shard_of
 
 PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
@@ -27,19 +28,8 @@ EXPERTS = f"{LAYERS}.1.block_sparse_moe.experts"
 
 
 def _export(source: Path, out: Path, recipe: str) -> None:
-    """Calibrate in one process and export with the per-rank exporter (as test_verify_mixed._writer_export)."""
-    import modelopt_ext
-    from modelopt_ext.export.writer import export_checkpoint
-    from modelopt_ext.families import families
-    from modelopt_ext.quant.calibrate import calibrate
-    from modelopt_ext.quant.recipes import quant_config
-
-    model = modelopt_ext.from_pretrained(source, trust_remote_code=True, dtype=torch.float32)
-    batches = [{"input_ids": torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + i))}
-               for i in range(4)]
-    result = calibrate(model, quant_config(recipe, model.config), batches,
-                       router_glob=families()["kimi_k3"].router_glob, num_experts=16)
-    export_checkpoint(result.model, out, source_dir=source)
+    """Calibrate in one process and export with the per-rank exporter."""
+    calibrate_and_export(0, 1, str(source), str(out), recipe)
 
 
 def _misaligned_standin(out: Path) -> Path:

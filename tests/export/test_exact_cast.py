@@ -14,6 +14,7 @@ from safetensors import safe_open
 from modelopt_ext.export.exact_cast import Nvfp4, cast_pair, dequantize_nvfp4
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.export_bodies import calibrate_and_export
 from modelopt_ext.testing.export_edits import read_index, rewrite, shard_of
 
 EXPERTS = "language_model.model.layers.{layer}.block_sparse_moe.experts"
@@ -60,18 +61,7 @@ def test_all_zero_weight():
 
 
 def _export(source: Path, out: Path):
-    import modelopt_ext
-    from modelopt_ext.export.writer import export_checkpoint
-    from modelopt_ext.families import families
-    from modelopt_ext.quant.calibrate import calibrate
-    from modelopt_ext.quant.recipes import quant_config
-
-    model = modelopt_ext.from_pretrained(source, trust_remote_code=True, dtype=torch.float32)
-    batches = [{"input_ids": torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(300 + i))}
-               for i in range(2)]
-    result = calibrate(model, quant_config("kimi_k3/nvfp4_experts-fp8_attention", model.config), batches,
-                       router_glob=families()["kimi_k3"].router_glob, num_experts=16)
-    return export_checkpoint(result.model, out, source_dir=source)
+    return calibrate_and_export(0, 1, str(source), str(out), "kimi_k3/nvfp4_experts-fp8_attention", batches=2)
 
 
 def _get(directory: Path, key: str) -> torch.Tensor:

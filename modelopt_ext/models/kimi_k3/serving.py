@@ -110,26 +110,24 @@ def layer_aliases(module: str) -> tuple[str, ...]:
 
 
 def linear_shape(config: Mapping[str, Any], module: str) -> tuple[int, int] | None:
-    """(out, in) of an attention or MLP projection of the text model, from the config; None for others."""
+    """(out, in) of an attention projection of the text model, from the config; None for others."""
     text = config.get("text_config", config)
     lac = text.get("linear_attn_config") or {}
     hidden = int(text["hidden_size"])
     kda = int(lac.get("num_heads", 0)) * int(lac.get("head_dim", 0))
     heads = int(text["num_attention_heads"])
     qk_head = int(text["qk_nope_head_dim"]) + int(text["qk_rope_head_dim"])
+    leaf = module.rpartition(".")[2]
+    if leaf in ("g_proj", "o_proj"):  # KDA's gate and output are heads x head_dim wide, MLA's heads x v_head_dim
+        layer = int(module.removeprefix(TEXT_LAYERS).split(".")[0])
+        width = kda if layer in layer_schedule(config).kda else heads * int(text["v_head_dim"])
+        return (width, hidden) if leaf == "g_proj" else (hidden, width)
     shapes = {
-        "q_proj": (kda, hidden), "k_proj": (kda, hidden), "v_proj": (kda, hidden), "o_proj": None,
+        "q_proj": (kda, hidden), "k_proj": (kda, hidden), "v_proj": (kda, hidden),
         "f_a_proj": (int(lac.get("head_dim", 0)), hidden), "b_proj": (int(lac.get("num_heads", 0)), hidden),
         "q_a_proj": (int(text["q_lora_rank"]), hidden),
         "kv_a_proj_with_mqa": (int(text["kv_lora_rank"]) + int(text["qk_rope_head_dim"]), hidden),
         "q_b_proj": (heads * qk_head, int(text["q_lora_rank"])),
         "kv_b_proj": (heads * (int(text["qk_nope_head_dim"]) + int(text["v_head_dim"])), int(text["kv_lora_rank"])),
     }
-    leaf = module.rpartition(".")[2]
-    if leaf == "g_proj":  # KDA's output gate is heads x head_dim wide, MLA's heads x v_head_dim
-        layer = int(module.removeprefix(TEXT_LAYERS).split(".")[0])
-        return (kda, hidden) if layer in layer_schedule(config).kda else (heads * int(text["v_head_dim"]), hidden)
-    if leaf == "o_proj":
-        layer = int(module.removeprefix(TEXT_LAYERS).split(".")[0])
-        return (hidden, kda) if layer in layer_schedule(config).kda else (hidden, heads * int(text["v_head_dim"]))
     return shapes.get(leaf)
