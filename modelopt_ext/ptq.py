@@ -428,6 +428,7 @@ class _Run:
             calibration={"tokens": calibrated_tokens, "blocks": a.calib_size, "seq_len": a.seq_len,
                          "batch_size": a.batch_size, "dataset": a.dataset, "dtype": a.dtype,
                          "uncovered_experts": a.uncovered_experts, "coverage": result.coverage.summary_line(),
+                         "expert_input_scales": getattr(a, "expert_input_scales", "shared"),
                          "experts_without_tokens": sum(len(v) for v in result.coverage.uncovered().values())},
             distribution={"world_size": self.world_size, "ep_size": self.ep_size, "dense": a.dense},
         )
@@ -438,7 +439,8 @@ class _Run:
             provenance.write(Path(staging), record)
 
         with ProgressBar("export", enabled=self._show_progress(), unit="unit") as bar:
-            options = {"overwrite": a.overwrite, "experts_per_file": a.experts_per_file}
+            options = {"overwrite": a.overwrite, "experts_per_file": a.experts_per_file,
+                       "expert_input_scales": getattr(a, "expert_input_scales", "shared")}
             return writer.export_checkpoint(
                 result.model, a.export_dir, source_dir=a.model, **options, write_extra=write_extra, progress=bar
             )

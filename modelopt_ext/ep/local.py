@@ -221,3 +221,25 @@ def gather_weighted_sum(back_SH: torch.Tensor, inverse_S: torch.Tensor, weights_
         return result
     out.copy_(result)
     return out
+
+
+def expert_row_amax(x_SL: torch.Tensor, num_experts: int, offs_E: torch.Tensor | None = None,
+                    segments: Sequence[Segment] | None = None) -> torch.Tensor:
+    """fp32 [E]: the largest |value| among the rows of each expert (rows grouped as `project` takes them:
+    `offs_E` or `segments`); -inf for an expert without rows. Rows outside every group are ignored. No host
+    sync."""
+    row_max_S = x_SL.detach().abs().amax(dim=-1).float() if x_SL.shape[0] else x_SL.new_empty(0, dtype=torch.float32)
+    if segments is not None:
+        blocks = [(e, start, rows) for e, start, rows in segments if rows]
+        rows_R = block_rows([s for _, s, _ in blocks], [r for _, _, r in blocks], x_SL.device)
+        ids_R = _pinned([e for e, _, _ in blocks], x_SL.device).repeat_interleave(
+            _pinned([r for _, _, r in blocks], x_SL.device), output_size=rows_R.numel()) if blocks else rows_R
+        row_max_S = row_max_S.index_select(0, rows_R)
+    elif offs_E is not None:
+        ids_R = torch.searchsorted(offs_E.to(torch.int64), torch.arange(x_SL.shape[0], device=x_SL.device),
+                                   right=True)
+    else:
+        raise ValueError("expert_row_amax needs offs_E (grouped rows) or segments (host row blocks)")
+    out = torch.full((num_experts + 1,), float("-inf"), device=x_SL.device)
+    out.scatter_reduce_(0, ids_R.clamp(max=num_experts), row_max_S, reduce="amax")
+    return out[:num_experts]

@@ -38,20 +38,26 @@ def _nonzero_groups(packed: torch.Tensor) -> torch.Tensor:
     return magnitude.view(*packed.shape[:-1], -1, MX_GROUP // 2).any(dim=-1)
 
 
-def cast_pair(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Nvfp4] | None:
-    """The exact NVFP4 form of MXFP4 weights sharing one per-tensor scale: `tensors` holds (packed uint8
-    [rows, cols/2], E8M0 scale bytes uint8 [rows, cols/32]) per weight. None when one block scale would fall
-    outside E4M3's exact powers of two under any shared per-tensor scale."""
+def shared_exponent(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
+    """k of the shared per-tensor scale 2^k that makes every block of `tensors` (as for `cast_pair`) exact in
+    E4M3, or None when their used block scales span more than E4M3's exact powers of two."""
     exps = [scale.to(torch.int32) - E8M0_BIAS for _, scale in tensors]
     used = [_nonzero_groups(packed) for packed, _ in tensors]
     live = torch.cat([e[u] for e, u in zip(exps, used)])
     if live.numel() == 0:
-        k = 0
-    else:
-        hi, lo = int(live.max()), int(live.min())
-        if hi - lo > E4M3_MAX_EXP - E4M3_MIN_EXP:
-            return None
-        k = hi - E4M3_MAX_EXP
+        return 0
+    hi, lo = int(live.max()), int(live.min())
+    return None if hi - lo > E4M3_MAX_EXP - E4M3_MIN_EXP else hi - E4M3_MAX_EXP
+
+
+def cast_pair(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Nvfp4] | None:
+    """The exact NVFP4 form of MXFP4 weights sharing one per-tensor scale: `tensors` holds (packed uint8
+    [rows, cols/2], E8M0 scale bytes uint8 [rows, cols/32]) per weight. None when one block scale would fall
+    outside E4M3's exact powers of two under any shared per-tensor scale."""
+    k = shared_exponent(tensors)
+    if k is None:
+        return None
+    exps = [scale.to(torch.int32) - E8M0_BIAS for _, scale in tensors]
     out = []
     for (packed, _), e in zip(tensors, exps):
         block = torch.clamp(e - k, E4M3_MIN_EXP, E4M3_MAX_EXP)  # zero groups: any exact scale

@@ -37,6 +37,8 @@ from torch import nn
 from modelopt_ext.dist import agree, all_or_fail, gather_objects, in_group
 from modelopt_ext.export.compat import KV_CACHE_MAX_BOUND, export_dtype, fused_property_weights, modelopt_export_api
 from modelopt_ext.export.exact_cast import cast_pair
+from modelopt_ext.export.expert_inputs import MODES as EXPERT_INPUT_MODES
+from modelopt_ext.export.expert_inputs import expert_input_scales, is_nvfp4_quantizer
 from modelopt_ext.export.files import ExportFiles, check_experts_per_file, expert_key_renamer
 from modelopt_ext.export.layout import INDEX_NAME, _read_header
 from modelopt_ext.export.manifest import _write_manifest, file_digests
@@ -73,6 +75,10 @@ class ExportResult:
     # those re-quantized by ModelOpt because their scales span more than E4M3 holds (named, all ranks)
     experts_exact: int = 0
     experts_requantized: tuple[str, ...] = ()
+    # routed-expert input scales (export/expert_inputs.py): (expert, projection) pairs written from the
+    # expert's own statistics, and those that kept the layer's shared scale (no calibration row)
+    expert_inputs_own: int = 0
+    expert_inputs_shared: tuple[str, ...] = ()
 
 
 def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None) -> ExportFiles:
@@ -116,13 +122,7 @@ def _mxfp4_to_nvfp4(experts: nn.Module) -> bool:
     if not all(hasattr(experts, f"{p}_{part}") for p in ("gate_up_proj", "down_proj") for part in ("packed", "scale")):
         return False
     quantizers = [q for p in ("gate_up_proj", "down_proj") for q in getattr(experts, f"{p}_weight_quantizers", ())]
-
-    def nvfp4(q) -> bool:
-        blocks = getattr(q, "block_sizes", None) or {}
-        return (getattr(q, "is_enabled", False) and tuple(getattr(q, "num_bits", ())) == (2, 1)
-                and blocks.get(-1) == 16 and tuple(blocks.get("scale_bits") or ()) == (4, 3))
-
-    return bool(quantizers) and all(nvfp4(q) for q in quantizers)
+    return bool(quantizers) and all(is_nvfp4_quantizer(q) for q in quantizers)
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:
@@ -180,8 +180,9 @@ class _UnitExporter:
     """Exports units one at a time on this rank (see the module doc, step 2)."""
 
     def __init__(self, model, files: ExportFiles, family: FamilySpec, api, dtype, quant_config, source_dtypes,
-                 staging: Path, rank: int, world: int):
+                 staging: Path, rank: int, world: int, expert_inputs: str = "shared"):
         self.model, self.files, self.api, self.dtype = model, files, api, dtype
+        self.expert_inputs = expert_inputs
         self.kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
         self.source_dtypes, self.staging, self.rank, self.world = source_dtypes, staging, rank, world
         self.rename = expert_key_renamer(files.experts_suffix, family.export_expert_names)
@@ -193,6 +194,8 @@ class _UnitExporter:
         self.bytes_written = 0
         self.exact = 0
         self.requantized: list[str] = []
+        self.inputs_own = 0
+        self.inputs_shared: list[str] = []
 
     def _exact_casts(self, modules, offsets: dict[str, int]) -> dict[str, torch.Tensor]:
         """final key -> tensor for the routed experts stored MXFP4 whose weight quantizers are NVFP4: the
@@ -223,11 +226,25 @@ class _UnitExporter:
                     self.exact += len(projections)
         return out
 
+    def _expert_input_scales(self, modules, offsets: dict[str, int]) -> dict[str, torch.Tensor]:
+        """final key -> the routed experts' own input scales (export/expert_inputs.py); read before ModelOpt's
+        handlers replace the fused quantizers."""
+        out: dict[str, torch.Tensor] = {}
+        for name, module in modules:
+            if name in offsets:
+                got = expert_input_scales(name, module, offsets[name], self.names)
+                out.update(got.scales)
+                self.inputs_own += got.per_expert
+                self.inputs_shared.extend(got.shared)
+        return out
+
     def export(self, unit: _Unit) -> None:
         modules = unit.modules()
         offsets = {name: expert_offset(m) for name, m in modules if name.endswith("." + self.files.experts_suffix)}
         materialize(m for _, m in modules)
         casts = self._exact_casts(modules, offsets)
+        if self.expert_inputs == "per-expert":
+            casts.update(self._expert_input_scales(modules, offsets))
         for name, module in modules:
             self.api.dispatch_export_handler(name, module, self.context)
         tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -243,11 +260,13 @@ class _UnitExporter:
         for key, value in casts.items():
             file = tensors.get(self.files.file_of(key), {})
             held = file.get(key)
+            if held is not None and held.numel() == value.numel() == 1:  # a scale: [] or [1] as ModelOpt wrote it
+                value = value.reshape(held.shape)
             if held is None or held.shape != value.shape or held.dtype != value.dtype:
                 wrote = None if held is None else (held.dtype, list(held.shape))
-                raise RuntimeError(f"{key}: the exact cast {value.dtype} {list(value.shape)} does not replace what "
+                raise RuntimeError(f"{key}: the replacement {value.dtype} {list(value.shape)} does not replace what "
                                    f"ModelOpt's handler wrote ({wrote})")
-            file[key] = value
+            file[key] = value.to(held.device)
         for file, content in sorted(tensors.items()):
             if self._writes(unit, file):
                 self._save(file, content)
@@ -336,6 +355,7 @@ def export_checkpoint(
     experts_per_file: int | None = None,
     write_extra: Callable[[Path], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    expert_input_scales: str = "shared",
 ) -> ExportResult:
     """Export `model` (quantized by ModelOpt, possibly expert-parallel) to `export_dir`; see the module doc.
 
@@ -345,7 +365,12 @@ def export_checkpoint(
         experts_per_file: routed experts per safetensors file (see `files.py` for the default).
         write_extra: called on rank 0 with the staging directory to add files (e.g. coverage reports).
         progress: called on every rank with (units done, units) after each unit.
+        expert_input_scales: "shared" (ModelOpt's: the layer's scale for every expert) or "per-expert" (each
+            routed expert's input scale from its own calibration statistics, the layer's where it saw no
+            token); export/expert_inputs.py.
     """
+    if expert_input_scales not in EXPERT_INPUT_MODES:
+        raise ValueError(f"expert_input_scales is {expert_input_scales!r}; expected one of {EXPERT_INPUT_MODES}")
     start = time.perf_counter()
     rank, world = (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
     export_dir = check_export_dir(export_dir, overwrite)
@@ -375,7 +400,7 @@ def export_checkpoint(
             staging = all_or_fail("export staging", lambda: _new_staging(export_dir, overwrite, rank))
             staging = Path(gather_objects(str(staging) if staging else None)[0])
             exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank,
-                                     world)
+                                     world, expert_input_scales)
             units = _units(model, files)
             for i, unit in enumerate(units):
                 what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
@@ -385,6 +410,7 @@ def export_checkpoint(
             maps = gather_objects(exporter.written)
             written = tuple(gather_objects(exporter.bytes_written))
             casts = gather_objects((exporter.exact, exporter.requantized))
+            inputs = gather_objects((exporter.inputs_own, exporter.inputs_shared))
             result = all_or_fail("export finalization", lambda: _finalize(
                 staging, source_dir, files, maps, quant_config, modelopt_config, api, write_extra)
                 if rank == 0 else None)
@@ -405,7 +431,14 @@ def export_checkpoint(
                     "re-quantized (scales too wide for one per-tensor scale)%s", exact,
                     sum(len(n.rpartition(".")[2].split("/")) for n in requantized),
                     f": {', '.join(requantized[:5])}{' ...' if len(requantized) > 5 else ''}" if requantized else "")
-    return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings, exact, requantized)
+    own = sum(n for n, _ in inputs)
+    shared = tuple(sorted(name for _, names in inputs for name in names))
+    if own or shared:
+        logger.info("routed experts: %d input scales from the expert's own statistics, %d kept the layer's shared "
+                    "scale (no calibration token)%s", own, len(shared),
+                    f": {', '.join(shared[:5])}{' ...' if len(shared) > 5 else ''}" if shared else "")
+    return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings, exact, requantized,
+                        own, shared)
 
 
 def _new_staging(export_dir: Path, overwrite: bool, rank: int) -> Path | None:

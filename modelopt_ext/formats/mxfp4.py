@@ -109,6 +109,15 @@ def e8m0_to_float(scale: torch.Tensor, dtype: torch.dtype = torch.float32, valid
     return bits_f64.view(torch.float64).to(dtype)
 
 
+def e2m1_magnitude_codes(y: torch.Tensor) -> torch.Tensor:
+    """int64 E2M1 magnitude codes 0..7 of |values| `y`: the nearest E2M1 magnitude, ties to the even code,
+    saturating at 6."""
+    mids = torch.tensor(_MIDPOINTS + (float("inf"),), dtype=y.dtype, device=y.device)
+    idx = torch.bucketize(y, mids[:-1])  # number of midpoints strictly below y
+    tie_up = (y == mids[idx]) & (idx % 2 == 1)  # tie: go up only if code idx+1 is even
+    return idx + tie_up.to(idx.dtype)  # values above 5 land on 7 (6.0): saturation
+
+
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to MXFP4 with the OCP MX rule (float32 math, float64 for float64 input).
 
@@ -143,11 +152,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e_G = torch.where(amax_G == 0, torch.full_like(e_G, -SCALE_BIAS), e_G)
     scale_G = (e_G + SCALE_BIAS).to(torch.uint8)
     inv_G = e8m0_to_float((SCALE_BIAS - e_G).to(torch.uint8), wd)  # 2**-e, exact power of two
-    y_GK = (x_GK * inv_G.unsqueeze(-1)).abs()  # exact: scaling by a power of two
-    mids = torch.tensor(_MIDPOINTS + (float("inf"),), dtype=wd, device=weight.device)
-    idx_GK = torch.bucketize(y_GK, mids[:-1])  # number of midpoints strictly below y
-    tie_up = (y_GK == mids[idx_GK]) & (idx_GK % 2 == 1)  # tie: go up only if code idx+1 is even
-    mag_GK = idx_GK + tie_up.to(idx_GK.dtype)  # values above 5 land on 7 (6.0): saturation
+    mag_GK = e2m1_magnitude_codes((x_GK * inv_G.unsqueeze(-1)).abs())  # exact: scaling by a power of two
     codes_GK = mag_GK.to(torch.uint8) | (torch.signbit(x_GK).to(torch.uint8) << 3)
     logger.debug("quantized MXFP4 weight of shape %s", tuple(weight.shape))
     return pack_e2m1(codes_GK.reshape(*lead, c)), scale_G

@@ -136,6 +136,10 @@ def calibrate(
     if isinstance(cfg.get("quant_cfg"), list):
         cfg["quant_cfg"] = name_parent_class_rules(cfg["quant_cfg"], model)
     batches = list(batches)
+    for module in model.modules():  # per-expert input statistics (export/expert_inputs.py) of this calibration only
+        reset = getattr(module, "reset_expert_input_amax", None)
+        if callable(reset):
+            reset()
     routing = all_experts_routing(model, router_glob, num_experts) if uncovered == "all-experts" else (
         contextlib.nullcontext())
     # routing hooks first, so the coverage hook (registered after) counts what the experts actually get

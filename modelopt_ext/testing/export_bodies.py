@@ -24,7 +24,8 @@ def calibration_batches(rank: int, world_size: int, count: int = CALIB_BATCHES) 
 
 def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str | None = None,
                          force_experts: list[int] | None = None, fail_on_rank: int | None = None,
-                         batches: int = CALIB_BATCHES, grouped_statistics: str | None = None):
+                         batches: int = CALIB_BATCHES, grouped_statistics: str | None = None,
+                         expert_input_scales: str = "shared"):
     """Load (EP when `dense` is given), calibrate `recipe` (max) on this rank's batches, export to `out`.
     `grouped_statistics` sets `experts.GROUPED_STATISTICS` in this process ("always": the grouped statistics
     path, and under EP the overlapped pipeline with `run_rows_collecting`, on the CPU)."""
@@ -49,6 +50,7 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
     if fail_on_rank is not None:
         _fail_during_export(result.model, fail_on_rank == rank)
     return export_checkpoint(result.model, out, source_dir=ckpt, overwrite=True,
+                             expert_input_scales=expert_input_scales,
                              write_extra=lambda staging: result.coverage.write_json(staging / "coverage.json"))
 
 

@@ -1,5 +1,6 @@
 """ep.local: expert-grouped rows, the three GEMM layouts, and the fused combine's reference arithmetic."""
 
+import pytest
 import torch
 
 from modelopt_ext.ep import local
@@ -133,3 +134,25 @@ def test_block_rows_and_segment_outputs_without_gaps():
     x, w = torch.ones(5, 4), torch.ones(2, 3, 4)
     out = local.project(x, w, segments=[(0, 0, 2), (1, 3, 2)])
     assert out[2].eq(0).all() and out[[0, 1, 3, 4]].eq(4).all()
+
+
+def test_expert_row_amax_by_offsets_and_by_segments():
+    """Each expert's largest |value| over its rows, -inf for an expert without rows, rows outside every group
+    ignored; the same from `offs_E` and from `segments` laid out otherwise."""
+    from modelopt_ext.ep.local import expert_row_amax
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(10, 6, generator=g)
+    x[9] = 100.0  # past the last offset: no expert's row
+    rows = {0: [0, 1, 2], 1: [], 2: [3, 4, 5, 6, 7, 8]}  # expert 1 gets none
+    expected = torch.tensor([x[r].abs().max() if r else float("-inf") for r in rows.values()])
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+    assert torch.equal(expert_row_amax(x, 3, offs_E=offs), expected)
+    # the same rows as host segments, expert 2's split in two blocks around expert 0's
+    y = torch.cat([x[3:5], x[0:3], x[5:9]])
+    segments = [(2, 0, 2), (0, 2, 3), (1, 5, 0), (2, 5, 4)]
+    assert torch.equal(expert_row_amax(y, 3, segments=segments), expected)
+    assert torch.equal(expert_row_amax(x[:0], 3, offs_E=torch.zeros(3, dtype=torch.int32)),
+                       torch.full((3,), float("-inf")))
+    with pytest.raises(ValueError, match="needs offs_E"):
+        expert_row_amax(x, 3)

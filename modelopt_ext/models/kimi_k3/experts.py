@@ -32,6 +32,7 @@ from modelopt_ext.ep.local import (
     Segment,
     expert_major_offsets,
     expert_mlp,
+    expert_row_amax,
     gather_weighted_sum,
     pad_rows,
     project,
@@ -102,6 +103,21 @@ def apply_situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float) -
     return situ_glu(gate, up, beta, linear_beta)
 
 
+@contextlib.contextmanager
+def _amax_of_expert(quantizer, amax_E: torch.Tensor | None, e: int):
+    """`quantizer`'s amax set to amax_E[e] for the body (nothing when there is no override or no finite value)."""
+    if quantizer is None or amax_E is None or getattr(quantizer, "amax", None) is None or not bool(
+            torch.isfinite(amax_E[e]) and amax_E[e] > 0):
+        yield
+        return
+    held = quantizer.amax.detach().clone()
+    quantizer.amax = amax_E[e].to(held.dtype).reshape(held.shape)
+    try:
+        yield
+    finally:
+        quantizer.amax = held
+
+
 class _FusedExpertsBase(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -110,6 +126,44 @@ class _FusedExpertsBase(nn.Module):
         self.intermediate_dim = config.moe_intermediate_size
         self.situ_beta = config.activation_situ_beta
         self.situ_linear_beta = config.activation_situ_linear_beta
+
+    # Per-expert input statistics, kept beside ModelOpt's one shared input quantizer per projection: while
+    # that quantizer max-calibrates, each expert's own input amax (fp32 [E], -inf where it saw no row) is
+    # recorded here under the projection's name ("gate_up_proj", "down_proj"); the exporter writes per-expert
+    # input scales from it (`export.expert_inputs`).
+    EXPERT_INPUT_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+    @property
+    def expert_input_amax(self) -> dict[str, torch.Tensor]:
+        return self.__dict__.setdefault("_expert_input_amax", {})
+
+    def reset_expert_input_amax(self) -> None:
+        self.expert_input_amax.clear()
+
+    def _observing_expert_inputs(self) -> bool:
+        """ModelOpt is collecting statistics for this module's input quantizers (not a constant amax)."""
+        for p in self.EXPERT_INPUT_PROJECTIONS:
+            q = getattr(self, f"{p}_input_quantizer", None)
+            if q is None or not getattr(q, "is_enabled", False) or not getattr(q, "_if_calib", False):
+                return False
+            if getattr(q, "_constant_amax", None) is not None or getattr(q, "_use_constant_amax", False):
+                return False
+        return True
+
+    def _observe(self, projection: str, amax_E: torch.Tensor) -> None:
+        store = self.expert_input_amax
+        held = store.get(projection)
+        store[projection] = amax_E if held is None else torch.maximum(held, amax_E)
+
+    def _observe_rows(self, projection: str, x_SL: torch.Tensor, offs_E=None, segments=None) -> None:
+        if self._observing_expert_inputs():
+            self._observe(projection, expert_row_amax(x_SL, self.num_experts, offs_E, segments))
+
+    def _observe_expert(self, projection: str, e: int, rows: torch.Tensor) -> None:
+        if self._observing_expert_inputs():
+            amax_E = torch.full((self.num_experts,), float("-inf"), device=rows.device)
+            amax_E[e] = rows.detach().abs().amax().float()
+            self._observe(projection, amax_E)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         """[S, 2I] -> [S, I]: SiTU-GLU of the w1 half and the w3 half."""
@@ -165,8 +219,10 @@ class _FusedExpertsBase(nn.Module):
 
         with self.materialized(x_SL.dtype):
             self.gate_up_proj_input_quantizer(masked(x_SL))
+            self._observe_rows("gate_up_proj", x_SL, offs_E, segments)
             h_SI = masked(self._apply_gate(project(x_SL, _local(self.gate_up_proj), offs_E, segments)))
             self.down_proj_input_quantizer(h_SI)
+            self._observe_rows("down_proj", h_SI, offs_E, segments)
             return masked(project(h_SI, _local(self.down_proj), offs_E, segments))
 
     def pipeline_rows(self, hidden_states: torch.Tensor):
@@ -241,12 +297,27 @@ class _FusedExpertsBase(nn.Module):
         with torch.no_grad():
             mask_EkT = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = mask_EkT[: self.num_experts].sum(dim=(1, 2)).nonzero().flatten().tolist()
+        probe = self.__dict__.get("quality_probe")  # quant.quality: measures quantized variants on these rows
         for e in hit:
             k_pos, token_idx = torch.where(mask_EkT[e])
             rows = pad_rows(hidden_states[token_idx])  # see ep.local.MIN_ROWS
-            h = self._apply_gate(F.linear(rows, gate_up[e]))
-            slots_TkL[token_idx, k_pos] = F.linear(h, down[e])[: token_idx.numel()]
+            y = self.expert_output(e, rows, gate_up, down)
+            if probe is not None:
+                probe(self, e, rows, y, token_idx.numel())
+            slots_TkL[token_idx, k_pos] = y[: token_idx.numel()]
         return weighted_sum(slots_TkL, top_k_weights).to(hidden_states.dtype)
+
+    def expert_output(self, e: int, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Expert `e` (local id) on `rows`: one F.linear pair (the calls ModelOpt's fused-expert quantizers
+        intercept), each projection's input quantizer set to this expert's own amax while `expert_amax_override`
+        (projection -> fp32 [E]) holds one, and its input statistics recorded while ModelOpt calibrates."""
+        override = self.__dict__.get("expert_amax_override") or {}
+        with _amax_of_expert(getattr(self, "gate_up_proj_input_quantizer", None), override.get("gate_up_proj"), e):
+            self._observe_expert("gate_up_proj", e, rows)
+            h = self._apply_gate(F.linear(rows, gate_up[e]))
+        with _amax_of_expert(getattr(self, "down_proj_input_quantizer", None), override.get("down_proj"), e):
+            self._observe_expert("down_proj", e, h)
+            return F.linear(h, down[e])
 
 
 @use_experts_implementation(has_gate=True)
