@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # imported where used: modelopt_ext.quant imports ModelOpt (s
 logger = logging.getLogger(__name__)
 
 PHASES = ("validate", "load", "calibrate", "export", "engines", "summary")
+OPTIONAL_PHASES = {"quality": "calibrate"}  # phase -> the phase it follows; runs with --quality-blocks N > 0
 POSITIVE = ("calib_size", "batch_size", "seq_len", "ep", "experts_per_file", "timeout")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: the bound on one collective wait must be a real bound
 
@@ -108,6 +109,7 @@ class PtqSummary:
     calibrate_parts: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # serving engine -> whether the export passed every rule of `modelopt-ext verify --engine` for it
     engines: dict[str, bool] = dataclasses.field(default_factory=dict)
+    quality: list[str] = dataclasses.field(default_factory=list)  # quant.quality.summary_lines (--quality-blocks)
     rank: int = dataclasses.field(default=0, compare=False)  # the rank holding this copy
 
     @property
@@ -153,7 +155,7 @@ class PtqSummary:
         if self.engines:
             verdicts = ", ".join(f"{e} {'OK' if ok else 'FAILED'}" for e, ok in self.engines.items())
             lines.append(f"serving engines: {verdicts}")
-        return lines + [self.coverage]
+        return lines + self.quality + [self.coverage]
 
 
 def check_sizes(args) -> None:
@@ -165,6 +167,8 @@ def check_sizes(args) -> None:
             raise ValueError(f"{option} must be a finite number, got {value}")
         if value is not None and value <= 0:
             raise ValueError(f"{option} must be positive, got {value}")
+    if getattr(args, "quality_blocks", 0) < 0:
+        raise ValueError(f"--quality-blocks must be 0 (no quality report) or positive, got {args.quality_blocks}")
     timeout = getattr(args, "timeout", None)
     if timeout is not None and timeout > MAX_TIMEOUT_S:
         raise ValueError(f"--timeout {timeout:g} s is more than a week ({MAX_TIMEOUT_S:g} s); it bounds every wait "
@@ -308,14 +312,22 @@ class _Run:
                 model = all_or_fail("load", self._load)
             with self.phase("calibrate"):
                 result, tokens = self._calibrate(model, inputs, tokenizing)
+        quality = None
+        if getattr(a, "quality_blocks", 0):
+            with self.phase("quality"):
+                quality = self._quality(result.model, inputs)
         with self.phase("export"):
             calibrated = sum(gather_objects(tokens))  # every rank's, for the export's provenance
-            export = all_or_fail("export", lambda: self._export(result, inputs, calibrated))
+            export = all_or_fail("export", lambda: self._export(result, inputs, calibrated, quality))
         with self.phase("engines"):
             engines = self._check_engines(inputs, export.export_dir)
         with self.phase("summary"):
             summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line(), result.seconds)
             summary.engines = engines
+            if quality is not None:
+                from modelopt_ext.quant.quality import summary_lines
+
+                summary.quality = summary_lines(quality)
         if self.rank == 0:
             logger.info("ptq summary: %s", json.dumps(summary.to_dict()))
             if a.summary_json:
@@ -418,7 +430,28 @@ class _Run:
                           "prepare": round(prepared, 3), **result.seconds}
         return result, tokens
 
-    def _export(self, result, inputs: Inputs, calibrated_tokens: int):
+    def _quality(self, model, inputs: Inputs) -> dict:
+        """The quality report (`quant.quality`) on --quality-blocks held-out blocks, the ones after the
+        calibration blocks (never calibrated on), dealt to the ranks as calibration blocks are."""
+        from modelopt_ext.quant.data import calibration_batches
+        from modelopt_ext.quant.quality import measure_quality
+
+        a = self.args
+
+        def held_out():
+            return calibration_batches(inputs.tokenizer, inputs.texts, calib_size=a.quality_blocks,
+                                       batch_size=a.batch_size, seq_len=a.seq_len, rank=self.rank,
+                                       world_size=self.world_size, skip_blocks=a.calib_size)
+
+        batches = all_or_fail("quality", held_out)
+        count = min(gather_objects(len(batches)))  # collective EP forwards: the same number on every rank
+        device = model.get_input_embeddings().weight.device
+        batches = [{k: v.to(device) for k, v in b.items()} for b in batches[:count]]
+        moe_glob = inputs.family.router_glob.rpartition(".")[0]
+        return all_or_fail("quality", lambda: measure_quality(
+            model, batches, moe_glob=moe_glob, expert_input_scales=getattr(a, "expert_input_scales", "shared")))
+
+    def _export(self, result, inputs: Inputs, calibrated_tokens: int, quality: dict | None = None):
         from modelopt_ext import provenance
 
         a = self.args
@@ -437,6 +470,10 @@ class _Run:
             result.coverage.write_json(Path(staging) / "coverage.json")
             result.coverage.write_png(Path(staging) / "coverage.png")
             provenance.write(Path(staging), record)
+            if quality is not None:
+                from modelopt_ext.quant.quality import write_report
+
+                write_report(Path(staging), quality)
 
         with ProgressBar("export", enabled=self._show_progress(), unit="unit") as bar:
             options = {"overwrite": a.overwrite, "experts_per_file": a.experts_per_file,

@@ -150,8 +150,10 @@ def _encoded(tokenizer, texts: list[str]):
 
 
 def calibration_batches(tokenizer, texts: list[str], *, calib_size: int, batch_size: int, seq_len: int,
-                        rank: int = 0, world_size: int = 1) -> list[dict[str, torch.Tensor]]:
-    """This rank's batches of packed blocks: {"input_ids": [B, seq_len], "attention_mask": ones [B, seq_len]}."""
+                        rank: int = 0, world_size: int = 1, skip_blocks: int = 0) -> list[dict[str, torch.Tensor]]:
+    """This rank's batches of packed blocks: {"input_ids": [B, seq_len], "attention_mask": ones [B, seq_len]}.
+    `skip_blocks`: start after that many blocks (the held-out set for the quality report follows the
+    calibration blocks, so it is never calibrated on)."""
     for name, value in (("calib_size", calib_size), ("batch_size", batch_size), ("seq_len", seq_len),
                         ("world_size", world_size)):
         if value < 1:
@@ -162,9 +164,13 @@ def calibration_batches(tokenizer, texts: list[str], *, calib_size: int, batch_s
     stream: list[int] = []
     for ids in _encoded(tokenizer, texts):
         stream += ids + ([eos] if eos is not None else [])
-        if len(stream) >= calib_size * seq_len:
+        if len(stream) >= (skip_blocks + calib_size) * seq_len:
             break
-    blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)][:calib_size]
+    blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    blocks = blocks[skip_blocks : skip_blocks + calib_size]
+    if not blocks and skip_blocks:
+        raise ValueError(f"the text has no block of {seq_len} tokens left after the {skip_blocks} calibration "
+                         "blocks for the held-out set; give more text, a smaller --calib-size or --quality-blocks 0")
     if not blocks:
         raise ValueError(f"the calibration text yields no block of {seq_len} tokens: its {len(texts)} samples "
                          f"give {len(stream)} tokens; give more text or a smaller seq_len")

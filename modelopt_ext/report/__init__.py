@@ -1,0 +1,1 @@
+"""Reports: dependency-free chart output (PNG) for run summaries."""

@@ -1,0 +1,90 @@
+"""modelopt_ext.quant.quality through `modelopt-ext ptq --quality-blocks`: the report on held-out blocks,
+written beside the export, leaves the export unchanged, and is the same at EP2 (2 gloo ranks) as in one
+process; formats.nvfp4's fake quantization against hand values."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from modelopt_ext.cli import main
+from modelopt_ext.formats.nvfp4 import fake_quantize_nvfp4
+from modelopt_ext.testing.checkpoints import copy_checkpoint
+from modelopt_ext.testing.nodes import node_env
+
+FAST = "--experts-implementation batched_mm --dtype float32 --calib-size 8 --batch-size 2 --seq-len 16".split()
+
+
+def test_nvfp4_fake_quantization_by_hand():
+    # amax 2688: per-tensor scale 1; block max 6 -> block scale 1: values round to the E2M1 grid
+    x = torch.tensor([[6.0, 0.7, -1.3, 2.6, 5.2, 0.2, 0.0, -6.0] * 2])
+    expected = torch.tensor([[6.0, 0.5, -1.5, 3.0, 6.0, 0.0, 0.0, -6.0] * 2])  # 0.7 -> 0.5, 2.6 -> 3, 5.2 -> 6
+    assert torch.equal(fake_quantize_nvfp4(x, 2688.0), expected)
+    # a block scale E4M3 holds exactly (0.5): the same grid, halved; a zero block stays zero
+    assert torch.equal(fake_quantize_nvfp4(x / 2, 2688.0), expected / 2)
+    assert not fake_quantize_nvfp4(torch.zeros(2, 16), 1.0).any()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fake_quantize_nvfp4(torch.ones(3, 8), 1.0)
+
+
+def _ptq(argv, tmp_path, ranks: int):
+    if ranks == 1:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return main(["ptq", *argv]), err.getvalue()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           "-m", "modelopt_ext", "ptq", *argv]
+    proc = subprocess.run(cmd, env=node_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    return proc.returncode, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quality")
+    source = copy_checkpoint(tiny_ckpt, root, "quality_src")
+    out = {}
+    for name, ranks, extra in (("ep1", 1, ["--quality-blocks", "4"]), ("plain", 1, []),
+                               ("ep2", 2, ["--quality-blocks", "4", "--no-progress"])):
+        rc, err = _ptq(["--model", str(source), "--export-dir", str(root / name), *FAST, *extra], root, ranks)
+        assert rc == 0, err[-3000:]
+        out[name] = root / name
+    return out
+
+
+def test_the_report_covers_every_quantized_module_and_leaves_the_export_unchanged(runs):
+    report = json.loads((runs["ep1"] / "quality.json").read_text())
+    assert report["tokens"] == 4 * 16
+    kinds = [m["kind"] for m in report["modules"].values()]
+    assert kinds.count("experts") == 5 and kinds.count("moe_block") == 5 and kinds.count("linear") == 40
+    for name, m in report["modules"].items():
+        assert m["ours"] is not None and 0 < m["ours"] < 1 and 0 < m["baseline"] < 1, name
+        if m["kind"] == "linear":  # FP8 weight-only blocks from the weights alone: the same in both
+            assert m["ours"] == m["baseline"], name
+        if m["kind"] == "experts":
+            assert m["rows"] == report["tokens"] * 4  # top-k 4, every slot measured on its expert
+    for state in ("ours", "baseline"):
+        assert 0 <= report["logits"][state]["top1_agreement"] <= 1 and report["logits"][state]["kl"] > 0
+    assert (runs["ep1"] / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for tensors in sorted(runs["plain"].glob("*.safetensors")):  # measuring restored the calibrated model
+        assert tensors.read_bytes() == (runs["ep1"] / tensors.name).read_bytes(), tensors.name
+
+
+def test_the_report_at_ep2_equals_one_process(runs):
+    """Each rank measures its held-out share and its own experts; the sums gathered are the one-process ones
+    (fp32; the order of the sums differs, so within rounding)."""
+    one = json.loads((runs["ep1"] / "quality.json").read_text())
+    two = json.loads((runs["ep2"] / "quality.json").read_text())
+    assert one["tokens"] == two["tokens"] and one["modules"].keys() == two["modules"].keys()
+    for name, m in one["modules"].items():
+        assert two["modules"][name]["rows"] == m["rows"], name
+        for state in ("ours", "baseline"):
+            assert two["modules"][name][state] == pytest.approx(m[state], rel=1e-4), (name, state)
+    for state in ("ours", "baseline"):
+        assert two["logits"][state]["top1_agreement"] == one["logits"][state]["top1_agreement"]
+        assert two["logits"][state]["kl"] == pytest.approx(one["logits"][state]["kl"], rel=1e-4)
