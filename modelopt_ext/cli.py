@@ -27,6 +27,11 @@ def _add_make_tiny(sub) -> None:
     p.add_argument("--top-k", type=int, default=defaults.top_k)
     p.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     p.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
+    from modelopt_ext.models.kimi_k3.standin.fit import DEFAULT_FIT_STEPS
+
+    p.add_argument("--fit", type=int, default=0, metavar="N",
+                   help="fit the random weights to the embedded corpus for N optimizer steps before storing them "
+                        f"(default 0: random weights; {DEFAULT_FIT_STEPS} takes about 40 s on a CPU)")
 
 
 def _run_make_tiny(args) -> int:
@@ -39,7 +44,8 @@ def _run_make_tiny(args) -> int:
         top_k=args.top_k,
         vocab_size=args.vocab_size,
     )
-    out = STANDIN_GENERATORS[args.family](args.out_dir, seed=args.seed, sizes=sizes, force=args.force)
+    out = STANDIN_GENERATORS[args.family](args.out_dir, seed=args.seed, sizes=sizes, force=args.force,
+                                          fit_steps=args.fit)
     print(f"wrote {args.family} stand-in to {out}")
     return 0
 
@@ -225,6 +231,13 @@ def _add_ptq(sub) -> None:
                    "lock-remote-code)")
     p.add_argument("--uncovered-experts", choices=["weights", "all-experts", "fail"], default="weights",
                    help="experts that see no calibration token (default: weights)")
+    p.add_argument("--expert-input-scales", choices=["shared", "per-expert"], default="shared",
+                   help="routed experts' input scales: ModelOpt's one shared scale per layer and projection "
+                        "(default), or each expert's own calibrated scale (the layer's where it saw no token; "
+                        "measured worse on the stand-in, docs/export.md)")
+    p.add_argument("--quality-blocks", type=int, default=0, metavar="N",
+                   help="measure the quality report (quality.json, quality.png) on N held-out blocks of --seq-len "
+                        "tokens after the calibration blocks (default 0: no report)")
     p.add_argument("--experts-per-file", type=int, default=None, metavar="N", help="experts per safetensors file")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"bound on every collective wait (default {DEFAULT_TIMEOUT_S:g})")

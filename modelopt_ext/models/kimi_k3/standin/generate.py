@@ -5,7 +5,8 @@ size shrunk: config.json (auto_map + compressed-tensors MXFP4 quantization_confi
 files, sharded safetensors with an index, generation_config.json and a local tokenizer. Routed experts
 are stored MXFP4 (`weight_packed` / `weight_scale`), everything else bf16, except the fp32 KDA
 parameters and router bias. Values depend only on (seed, tensor name): the same seed gives
-byte-identical files.
+byte-identical files. `fit_steps` > 0 (`--fit N`) first fits those values to the embedded corpus (`fit.py`);
+the same (seed, steps, sizes) again gives byte-identical files.
 """
 
 from __future__ import annotations
@@ -226,22 +227,32 @@ def _values(name: str, shape: torch.Size, seed: int, config: KimiK3Config) -> to
     return randn * fan_in**-0.5
 
 
-def build_state_dict(config: KimiK3Config, seed: int) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors, keyed and typed as the real checkpoint stores them."""
+def initial_values(config: KimiK3Config, seed: int) -> dict[str, torch.Tensor]:
+    """The random fp32 value of every parameter, keyed as the model's state dict, in sorted key order."""
     with torch.device("meta"):
         model = KimiK3ForConditionalGeneration(config)
+    return {name: _values(name, param.shape, seed, config) for name, param in sorted(model.state_dict().items())}
+
+
+def pack_state_dict(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors from fp32 values, keyed and typed as the real checkpoint stores them: routed experts
+    MXFP4 (`weight_packed` / `weight_scale`), the KDA parameters and router bias fp32, the rest bf16."""
     state = {}
-    for name, param in sorted(model.state_dict().items()):
-        values = _values(name, param.shape, seed, config)
+    for name, value in sorted(values.items()):
         if EXPERT_KEY.search(name):
-            packed, scale = quantize_mxfp4(values)
+            packed, scale = quantize_mxfp4(value)
             stem = name[: -len("weight")]
             state[stem + "weight_packed"], state[stem + "weight_scale"] = packed, scale
         elif FP32_KEYS.search(name):
-            state[name] = values.contiguous()
+            state[name] = value.contiguous()
         else:
-            state[name] = values.to(torch.bfloat16)
+            state[name] = value.to(torch.bfloat16)
     return state
+
+
+def build_state_dict(config: KimiK3Config, seed: int) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of the random stand-in, keyed and typed as the real checkpoint stores them."""
+    return pack_state_dict(initial_values(config, seed))
 
 
 def _shard_of(key: str, num_layers: int, layers_per_shard: int) -> int:
@@ -280,13 +291,19 @@ def _prepare_out_dir(out_dir: Path, force: bool) -> None:
         raise FileExistsError(f"{out_dir} is not empty; pass --force to replace its contents")
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes(), force: bool = False) -> Path:
+def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes(), force: bool = False,
+              fit_steps: int = 0) -> Path:
     """Write the stand-in checkpoint into `out_dir` (built in a temporary sibling, then moved in place).
+
+    With `fit_steps` > 0 the random weights are first fitted to the embedded corpus for that many optimizer
+    steps (`fit.fit_values`), then stored exactly as random ones; 0 writes the random stand-in.
 
     Raises ValueError for sizes the format cannot hold and FileExistsError for a non-empty `out_dir`
     without `force`; in both cases nothing is written.
     """
     sizes.validate()
+    if fit_steps < 0:
+        raise ValueError(f"fit_steps={fit_steps} must be at least 0")
     out_dir = Path(out_dir).resolve()  # "." or "x/.." must not make the temp dir live inside the target
     _prepare_out_dir(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +326,12 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes()
         for fname in REMOTE_CODE_FILES:
             shutil.copyfile(STANDIN_DIR / fname, tmp / fname)
         logger.info("generating tiny kimi_k3 weights (seed %d, %s)", seed, sizes)
-        write_shards(tmp, build_state_dict(config, seed), sizes.num_layers)
+        values = initial_values(config, seed)
+        if fit_steps:
+            from .fit import fit_values
+
+            values = fit_values(config, values, tmp, fit_steps, seed).values
+        write_shards(tmp, pack_state_dict(values), sizes.num_layers)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
