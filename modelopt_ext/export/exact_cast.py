@@ -38,6 +38,17 @@ def _nonzero_groups(packed: torch.Tensor) -> torch.Tensor:
     return magnitude.view(*packed.shape[:-1], -1, MX_GROUP // 2).any(dim=-1)
 
 
+def mxfp4_to_nvfp4(experts) -> bool:
+    """Whether fused experts hold MXFP4 storage (packed codes + E8M0 scales) and NVFP4 weight quantizers: the
+    exporter then writes their exact cast."""
+    from modelopt_ext.export.expert_inputs import is_nvfp4_quantizer
+
+    if not all(hasattr(experts, f"{p}_{part}") for p in ("gate_up_proj", "down_proj") for part in ("packed", "scale")):
+        return False
+    quantizers = [q for p in ("gate_up_proj", "down_proj") for q in getattr(experts, f"{p}_weight_quantizers", ())]
+    return bool(quantizers) and all(is_nvfp4_quantizer(q) for q in quantizers)
+
+
 def shared_exponent(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
     """k of the shared per-tensor scale 2^k that makes every block of `tensors` (as for `cast_pair`) exact in
     E4M3, or None when their used block scales span more than E4M3's exact powers of two."""

@@ -47,7 +47,8 @@ def _scale(q) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def _amax_set_to(q, value: torch.Tensor):
+def amax_set_to(q, value: torch.Tensor):
+    """Quantizer `q`'s amax set to `value` (reshaped and cast as its own) for the body, then given back."""
     held = q.amax.detach().clone()
     q.amax = value.to(held.dtype).reshape(held.shape)
     try:
@@ -81,7 +82,7 @@ def expert_input_scales(name: str, module: nn.Module, offset: int, names: dict[s
             if not (math.isfinite(a) and a > 0):
                 out.shared.append(f"{prefix}.{projection}")
                 continue
-            with _amax_set_to(q, torch.tensor(a, device=q.amax.device)):
+            with amax_set_to(q, torch.tensor(a, device=q.amax.device)):
                 scale = _scale(q)
             for target in targets:
                 out.scales[f"{prefix}.{names[target]}.input_scale"] = scale.detach().clone()

@@ -36,9 +36,9 @@ from torch import nn
 
 from modelopt_ext.dist import agree, all_or_fail, gather_objects, in_group
 from modelopt_ext.export.compat import KV_CACHE_MAX_BOUND, export_dtype, fused_property_weights, modelopt_export_api
-from modelopt_ext.export.exact_cast import cast_pair
+from modelopt_ext.export.exact_cast import cast_pair, mxfp4_to_nvfp4
 from modelopt_ext.export.expert_inputs import MODES as EXPERT_INPUT_MODES
-from modelopt_ext.export.expert_inputs import expert_input_scales, is_nvfp4_quantizer
+from modelopt_ext.export.expert_inputs import expert_input_scales
 from modelopt_ext.export.files import ExportFiles, check_experts_per_file, expert_key_renamer
 from modelopt_ext.export.layout import INDEX_NAME, _read_header
 from modelopt_ext.export.manifest import _write_manifest, file_digests
@@ -115,14 +115,6 @@ def _linear_modules(model: nn.Module, files: ExportFiles) -> list[str]:
         if weight is not None and weight.dim() == 2:
             out.append(name)
     return out
-
-
-def _mxfp4_to_nvfp4(experts: nn.Module) -> bool:
-    """Whether fused experts hold MXFP4 storage (packed codes + E8M0 scales) and NVFP4 weight quantizers."""
-    if not all(hasattr(experts, f"{p}_{part}") for p in ("gate_up_proj", "down_proj") for part in ("packed", "scale")):
-        return False
-    quantizers = [q for p in ("gate_up_proj", "down_proj") for q in getattr(experts, f"{p}_weight_quantizers", ())]
-    return bool(quantizers) and all(is_nvfp4_quantizer(q) for q in quantizers)
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:
@@ -203,7 +195,7 @@ class _UnitExporter:
         run (they drop the packed storage). An expert whose scales span too wide a range keeps ModelOpt's."""
         out: dict[str, torch.Tensor] = {}
         for name, module in modules:
-            if name not in offsets or not _mxfp4_to_nvfp4(module):
+            if name not in offsets or not mxfp4_to_nvfp4(module):
                 continue
             gate_up, gate_up_scale = module.gate_up_proj_packed, module.gate_up_proj_scale
             down, down_scale = module.down_proj_packed, module.down_proj_scale

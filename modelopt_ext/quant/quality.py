@@ -60,10 +60,9 @@ def _baseline_amax(q) -> float:
 def _exact_experts(module: nn.Module) -> dict[str, list[bool]]:
     """Per projection of a fused experts module stored MXFP4 with NVFP4 weight quantizers: whether each
     expert's weights are exported as the exact cast (the writer's rule: w1/w3 cast together)."""
-    from modelopt_ext.export.exact_cast import shared_exponent
-    from modelopt_ext.export.writer import _mxfp4_to_nvfp4
+    from modelopt_ext.export.exact_cast import mxfp4_to_nvfp4, shared_exponent
 
-    if not _mxfp4_to_nvfp4(module):
+    if not mxfp4_to_nvfp4(module):
         return {}
     out = {}
     for p in ("gate_up_proj", "down_proj"):
@@ -172,46 +171,36 @@ def _hooks(model: nn.Module, states: _States, sums: dict[str, _Sums], moe_glob: 
 
     active = {"on": True}  # hooks measure only the reference pass, not their own re-runs
 
-    def linear_hook(name):
-        def hook(module, args, kwargs, output):
-            if not active["on"]:
-                return
-            active["on"] = False
-            try:
-                s = sums.setdefault(name, _Sums("linear"))
-                s.add_ref(output, output.reshape(-1, output.shape[-1]).shape[0])
-                for state in STATES:
-                    states.apply(module, state)
-                    s.add(state, module.forward(*args, **kwargs), output)
-                states.apply(module, "reference")
-            finally:
-                active["on"] = True
-        return hook
+    @contextlib.contextmanager
+    def measuring():
+        active["on"] = False
+        try:
+            yield
+        finally:
+            active["on"] = True
 
-    def block_hook(name):
+    def rerun_hook(name, kind):
+        """A linear module or an MoE block re-run on its reference inputs in each state (for a block this is
+        collective under EP: every rank re-runs its blocks in the same order)."""
         def hook(module, args, kwargs, output):
             if not active["on"]:
                 return
-            active["on"] = False
-            try:
+            with measuring():
                 ref = output[0] if isinstance(output, tuple) else output
-                s = sums.setdefault(name, _Sums("moe_block"))
+                s = sums.setdefault(name, _Sums(kind))
                 s.add_ref(ref, ref.reshape(-1, ref.shape[-1]).shape[0])
-                for state in STATES:  # collective under EP: every rank re-runs its blocks in the same order
+                for state in STATES:
                     states.apply(module, state)
                     y = module.forward(*args, **kwargs)
                     s.add(state, y[0] if isinstance(y, tuple) else y, ref)
                 states.apply(module, "reference")
-            finally:
-                active["on"] = True
         return hook
 
     def expert_probe(name):
         def probe(module, e, rows, y_ref, n):
             if not active["on"]:
                 return
-            active["on"] = False
-            try:
+            with measuring():
                 s = sums.setdefault(name, _Sums("experts"))
                 s.add_ref(y_ref[:n], n)
                 gate_up, down = module.gate_up_proj, module.down_proj
@@ -219,14 +208,12 @@ def _hooks(model: nn.Module, states: _States, sums: dict[str, _Sums], moe_glob: 
                     states.apply(module, state)
                     s.add(state, module.expert_output(e, rows, gate_up, down)[:n], y_ref[:n])
                 states.apply(module, "reference")
-            finally:
-                active["on"] = True
         return probe
 
     handles, probed = [], []
     for name, module in model.named_modules():
         if fnmatch.fnmatchcase(name, moe_glob):
-            handles.append(module.register_forward_hook(block_hook(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(rerun_hook(name, "moe_block"), with_kwargs=True))
         elif hasattr(module, "expert_input_amax") and _quantized(module, states):
             module.__dict__["quality_probe"] = expert_probe(name)
             probed.append(module)
@@ -234,7 +221,7 @@ def _hooks(model: nn.Module, states: _States, sums: dict[str, _Sums], moe_glob: 
             if isinstance(module._parameters["weight"], DTensor) and not getattr(module, "_is_expert_parallel", 0):
                 skipped.append(name)
                 continue
-            handles.append(module.register_forward_hook(linear_hook(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(rerun_hook(name, "linear"), with_kwargs=True))
     try:
         yield
     finally:

@@ -110,12 +110,10 @@ def _amax_of_expert(quantizer, amax_E: torch.Tensor | None, e: int):
             torch.isfinite(amax_E[e]) and amax_E[e] > 0):
         yield
         return
-    held = quantizer.amax.detach().clone()
-    quantizer.amax = amax_E[e].to(held.dtype).reshape(held.shape)
-    try:
+    from modelopt_ext.export.expert_inputs import amax_set_to
+
+    with amax_set_to(quantizer, amax_E[e]):
         yield
-    finally:
-        quantizer.amax = held
 
 
 class _FusedExpertsBase(nn.Module):
