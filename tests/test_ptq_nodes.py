@@ -103,4 +103,5 @@ def test_sigterm_during_the_export_removes_the_staging_dir_on_every_rank(tiny_ck
         assert not run.timed_out and run.returncode != 0 and run.seconds < BOUND_S, (run.node, run.stderr[-3000:])
         assert "error: export: interrupted by SIGTERM; the staging directory was removed" in run.stderr, \
             run.stderr[-3000:]
-    assert not out.exists() and not list(tmp_path.glob(".out.*")), list(tmp_path.iterdir())
+    left = {str(p): sorted(f.name for f in p.iterdir()) for p in tmp_path.glob(".out.*")}
+    assert not out.exists() and not left, (left, [run.stderr[-3000:] for run in runs])

@@ -50,6 +50,7 @@ NOT_COPIED = ("config.json", "hf_quant_config.json", "MANIFEST.sha256")
 OWNER_NAME = ".modelopt_ext_owner.json"  # inside a staging dir while it is written
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
+DISCARD_BOUND_S = 10.0  # how long `discard` keeps removing a staging dir that another rank still writes into
 
 __all__ = ["ExportDirError", "Interrupted", "check_export_dir", "discard", "publish", "staging_dir", "stale_dirs"]
 
@@ -64,12 +65,21 @@ class Interrupted(BaseException):
 
 @contextlib.contextmanager
 def interrupts_raise():
-    """While active (main thread only), SIGTERM and SIGINT raise `Interrupted` in the main thread."""
+    """While active (main thread only), the first SIGTERM or SIGINT raises `Interrupted` in the main thread;
+    later ones are logged and ignored: the first one's unwinding (to `discard`) must run to its end, and a
+    launcher may forward a signal twice or follow SIGTERM with SIGINT."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    raised: list[int] = []
+
     def handler(signum, frame):
+        if raised:  # already unwinding to `discard`: a second signal must not cut the cleanup short
+            logger.warning("%s while the export is being cleaned up after %s: ignored",
+                           signal.Signals(signum).name, signal.Signals(raised[0]).name)
+            return
+        raised.append(signum)
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -202,11 +212,13 @@ def publish(staging: Path, export_dir: Path, overwrite: bool) -> list[str]:
     return [warning]
 
 
-def discard(staging: Path | None) -> None:
+def discard(staging: Path | None, bound_s: float = DISCARD_BOUND_S) -> None:
     """Remove a staging directory, whole. A SIGTERM or SIGINT arriving meanwhile is held back and raised
     again once the directory is gone (a launcher that forwards a signal twice must not cut the removal
-    short: `Interrupted` raised inside `rmtree` left the directory half removed). Another rank may be
-    removing the same directory at the same time, so a directory still there is removed once more."""
+    short: `Interrupted` raised inside `rmtree` left the directory half removed). Another rank may still be
+    writing into it (a signal reaches a rank inside a long C call, such as writing a shard, only when the
+    call returns) or removing it at the same time: a directory still there is removed again, for up to
+    `bound_s` seconds, then logged as left."""
     if staging is None or not staging.exists():
         return
     held: list[int] = []
@@ -214,10 +226,16 @@ def discard(staging: Path | None) -> None:
     previous = {s: signal.signal(s, lambda signum, frame: held.append(signum))
                 for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
-        for _ in range(3):
+        deadline = time.monotonic() + bound_s
+        while True:
             shutil.rmtree(staging, ignore_errors=True)
             if not staging.exists():
                 break
+            if time.monotonic() > deadline:
+                logger.warning("could not remove the staging directory %s within %.0f s (another rank may still "
+                               "be writing into it); the next run of this export reports it", staging, bound_s)
+                break
+            time.sleep(0.05)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -207,3 +207,46 @@ def _rmtree_with(unlink):
                     raise
         Path(path).rmdir()
     return rmtree
+
+
+def test_a_second_signal_while_unwinding_to_discard_is_ignored():
+    """torchrun forwards SIGTERM; a user's Ctrl-C or a second forward may follow while the rank unwinds from
+    the first `Interrupted` to `discard`: it must not raise again there and skip the removal."""
+    cleaned = []
+    with pytest.raises(Interrupted) as e, interrupts_raise():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.1) if hasattr(signal, "sigtimedwait") else None
+        except Interrupted:
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0.1) if hasattr(signal, "sigtimedwait") else None
+            cleaned.append(True)
+            raise
+    assert cleaned and e.value.signum == signal.SIGTERM
+
+
+def test_discard_outlasts_another_rank_still_writing_into_the_staging_dir(tmp_path, monkeypatch):
+    """Another rank's shard write (a C call, so its own `Interrupted` waits until it returns) adds a file
+    while this rank removes the directory: its rmdir fails. `discard` keeps removing until the directory is
+    gone (before: three attempts back to back, then the directory was left looking like a live export)."""
+    path = staging_dir(tmp_path / "out")
+    real_rmtree = staging.shutil.rmtree
+    calls = []
+
+    def rmtree_racing_a_writer(p, ignore_errors=False, **kwargs):
+        calls.append(p)
+        if len(calls) <= 5:  # the writer created its next file just before the rmdir
+            (Path(p) / f"model-{len(calls):05d}.safetensors").write_bytes(b"x")
+            return
+        real_rmtree(p, ignore_errors=ignore_errors, **kwargs)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", rmtree_racing_a_writer)
+    discard(path)
+    assert not path.exists() and len(calls) == 6
+
+
+def test_discard_gives_up_after_its_bound_and_says_so(tmp_path, monkeypatch, caplog):
+    path = staging_dir(tmp_path / "out")
+    monkeypatch.setattr(staging.shutil, "rmtree", lambda p, ignore_errors=False, **kwargs: None)
+    discard(path, bound_s=0.2)
+    assert path.exists() and f"could not remove the staging directory {path} within 0 s" in caplog.text
