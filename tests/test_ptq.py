@@ -324,10 +324,18 @@ def ep2_run(tiny_ckpt, tmp_path_factory):
     return proc.returncode, proc.stdout, proc.stderr, root
 
 
+def _verified(export: Path, source: Path) -> None:
+    """The independent checker (`modelopt-ext verify EXPORT --source SOURCE`) passes on a ptq export."""
+    from modelopt_ext.export.verify import verify_export
+
+    assert verify_export(export, source).ok
+
+
 @EXPORTER
 def test_single_process(single_run):
     rc, out, err, root = single_run
     assert rc == 0, err[-3000:]
+    _verified(root / "export", root / "ptq_single")
     summary = json.loads((root / "summary.json").read_text())
     assert (summary["world_size"], summary["ep_size"], summary["tokens"]) == (1, None, [8 * 16])
     assert list(summary["seconds"]) == list(ptq.PHASES)
@@ -357,6 +365,7 @@ def test_single_process(single_run):
 def test_two_ranks_under_torchrun(ep2_run):
     rc, out, err, root = ep2_run
     assert rc == 0, err[-3000:]
+    _verified(root / "export", root / "ptq_ep2")
     summary = json.loads((root / "summary.json").read_text())
     assert (summary["world_size"], summary["ep_size"], summary["tokens"]) == (2, 2, [64, 64])
     assert all(n > 0 for n in summary["bytes_read"] + summary["bytes_written"])
@@ -418,6 +427,7 @@ def test_an_engine_rule_broken_by_the_export_fails_the_run_and_keeps_the_export(
     assert (tmp_path / "out" / "MANIFEST.sha256").is_file()
     assert main(argv + ["--engine", "vllm,sglang", "--overwrite"]) == 0
     assert "serving engines: vllm OK, sglang OK" in capsys.readouterr().out
+    _verified(tmp_path / "out", model)
 
 
 def test_ranks_fail_together_on_differing_arguments(tiny_ckpt, tmp_path):

@@ -98,9 +98,11 @@ def dispatch(
 def combine(y_RH: torch.Tensor, topk_weights_TK: torch.Tensor, meta: DispatchMeta, group) -> torch.Tensor:
     """Return expert outputs to their tokens and sum them with the routing weights.
 
-    fp32 outputs are weighted and summed elementwise in fp32, exactly as transformers' experts functions do
-    in one process; 16-bit outputs go through one batched GEMM (fp32 accumulation, weights in the output
-    dtype), which reads the slots once instead of materialising them in fp32.
+    Every dtype takes the one-process reference's arithmetic (`weighted_sum`, as the eager experts forward and
+    `local.gather_weighted_sum` do): each slot output times its fp32 routing weight, summed in fp32 in slot
+    order, then rounded once to y's dtype. For 16-bit outputs this materialises a [T, K, H] fp32 temporary
+    (twice the bytes of the slots) where a batched GEMM with bf16 weights would read them once; the GEMM
+    rounded the routing weights to bf16 and so gave results that depended on the EP degree (docs/export.md).
 
     Args:
         y_RH: [R, H] unweighted expert outputs, in the order `dispatch` delivered the rows.
@@ -110,9 +112,7 @@ def combine(y_RH: torch.Tensor, topk_weights_TK: torch.Tensor, meta: DispatchMet
     """
     back_SH = _exchange(y_RH, sum(meta.send_sizes), list(meta.send_sizes), list(meta.recv_sizes), group)
     slots_TKH = back_SH.index_select(0, inverse_permutation(meta.order_S)).view(meta.num_tokens, meta.top_k, -1)
-    if y_RH.dtype == torch.float32:
-        return weighted_sum(slots_TKH, topk_weights_TK)
-    return torch.bmm(topk_weights_TK.to(y_RH.dtype).unsqueeze(1), slots_TKH).squeeze(1)
+    return weighted_sum(slots_TKH, topk_weights_TK).to(y_RH.dtype)
 
 
 def weighted_sum(slots_TKH: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,11 @@ def calibration_batches(rank: int, world_size: int, count: int = CALIB_BATCHES) 
 def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str | None = None,
                          force_experts: list[int] | None = None, fail_on_rank: int | None = None,
                          batches: int = CALIB_BATCHES, grouped_statistics: str | None = None,
-                         expert_input_scales: str = "shared"):
-    """Load (EP when `dense` is given), calibrate `recipe` (max) on this rank's batches, export to `out`.
-    `grouped_statistics` sets `experts.GROUPED_STATISTICS` in this process ("always": the grouped statistics
-    path, and under EP the overlapped pipeline with `run_rows_collecting`, on the CPU)."""
+                         expert_input_scales: str = "shared", dtype: str = "float32"):
+    """Load (EP when `dense` is given) in `dtype` (a torch dtype name), calibrate `recipe` (max) on this
+    rank's batches, export to `out`. `grouped_statistics` sets `experts.GROUPED_STATISTICS` in this process
+    ("always": the grouped statistics path, and under EP the overlapped pipeline with `run_rows_collecting`,
+    on the CPU)."""
     from modelopt_ext.export.writer import export_checkpoint
     from modelopt_ext.families import families
     from modelopt_ext.quant.calibrate import calibrate
@@ -39,7 +40,7 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
 
         experts.GROUPED_STATISTICS = grouped_statistics
     spec = families()["kimi_k3"]
-    kwargs = {"trust_remote_code": True, "dtype": torch.float32}
+    kwargs = {"trust_remote_code": True, "dtype": getattr(torch, dtype)}
     if dense is not None:
         kwargs.update(ep_size=world_size, dense=dense)
     model = modelopt_ext.from_pretrained(ckpt, **kwargs)
@@ -49,9 +50,20 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
                        router_glob=spec.router_glob, num_experts=16)
     if fail_on_rank is not None:
         _fail_during_export(result.model, fail_on_rank == rank)
-    return export_checkpoint(result.model, out, source_dir=ckpt, overwrite=True,
-                             expert_input_scales=expert_input_scales,
-                             write_extra=lambda staging: result.coverage.write_json(staging / "coverage.json"))
+    exported = export_checkpoint(result.model, out, source_dir=ckpt, overwrite=True,
+                                 expert_input_scales=expert_input_scales,
+                                 write_extra=lambda staging: result.coverage.write_json(staging / "coverage.json"))
+    verify_on_rank_0(rank, out, ckpt)
+    return exported
+
+
+def verify_on_rank_0(rank: int, out: str, ckpt: str) -> None:
+    """Rank 0 checks the finished export with the independent verifier (`modelopt-ext verify OUT --source
+    CKPT`); `ExportInvalid` fails the rank, and so the test. About 0.5 s for a stand-in export."""
+    if rank == 0:
+        from modelopt_ext.export.verify import verify_export
+
+        verify_export(out, ckpt)
 
 
 @contextlib.contextmanager
