@@ -28,6 +28,8 @@ class ServingSpec:
         engine_name: `engine_name(module, engine)` -> the name that engine gives the module it builds.
         layer_aliases: `layer_aliases(module)` -> the `quantized_layers` keys that every engine resolves.
         linear_shape: `linear_shape(config_json_mapping, module)` -> (out, in) of a fused group's member.
+        kv_cache: what the engines do with a KV-cache quantization of the family's attention
+            (`KVCacheServing`), or None where nothing is known (quant/kv_cache.py checks recipes against it).
     """
 
     engines: tuple[str, ...]
@@ -36,6 +38,28 @@ class ServingSpec:
     engine_name: Callable[[str, str], str]
     layer_aliases: Callable[[str], tuple[str, ...]]
     linear_shape: Callable[[Mapping[str, Any], str], tuple[int, int] | None]
+    kv_cache: KVCacheServing | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheServing:
+    """What the serving engines do with a quantized KV cache of a family's attention (docs/export.md, "KV cache").
+
+    Attributes:
+        attention_modules: `attention_modules(config_json_mapping)` -> the attention modules (checkpoint names)
+            whose keys and values the engines cache; ModelOpt puts `k_bmm_quantizer` / `v_bmm_quantizer` there.
+        cached: what the engines store per token for them, in words.
+        engines: engine -> None where it loads the export's calibrated KV scales for that cache, else what it
+            does instead, in words.
+        measured: what ModelOpt's KV quantizers measure on this family, in words.
+        alternative: what to do instead of quantizing the KV cache in the recipe.
+    """
+
+    attention_modules: Callable[[Mapping[str, Any]], tuple[str, ...]]
+    cached: str
+    engines: Mapping[str, str | None]
+    measured: str
+    alternative: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ Facts read in the engines' sources (docs/export.md, "Serving engines", lists the
 - **Names.** vLLM and TensorRT-LLM name modules as the checkpoint does (`language_model.model.layers.N...`);
   SGLang builds the text model with an empty prefix (`model.layers.N...`) and renames `block_sparse_moe`
   to `mlp`, and looks `quantized_layers` keys up under its own names only.
+- **KV cache** (`KV_CACHE`, docs/export.md "KV cache"): only the MLA layers have one (KDA keeps a recurrent
+  state); every engine caches MLA's compressed latent, and none loads calibrated KV scales for it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from modelopt_ext.families import KVCacheServing
 
 from .inventory import layer_schedule
 
@@ -131,3 +135,35 @@ def linear_shape(config: Mapping[str, Any], module: str) -> tuple[int, int] | No
         "kv_b_proj": (heads * (int(text["qk_nope_head_dim"]) + int(text["v_head_dim"])), int(text["kv_lora_rank"])),
     }
     return shapes.get(leaf)
+
+
+def mla_attention_modules(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The MLA attention modules (checkpoint names): the only layers with a KV cache."""
+    return tuple(f"{TEXT_LAYERS}{i}.self_attn" for i in layer_schedule(config).mla)
+
+
+KV_CACHE = KVCacheServing(
+    attention_modules=mla_attention_modules,
+    cached="the MLA latent, kv_a_layernorm(kv_c) and k_pe (kv_lora_rank + qk_rope_head_dim values per token, "
+           "one vector shared by all heads, one FP8 scale for it); KDA layers keep a recurrent state, not a KV cache",
+    engines={
+        "vllm": "its Kimi-K3 MLA layer (vllm/models/kimi_k3/nvidia/mla.py) is no Attention/MLAAttention, so the "
+                "ModelOpt config gives it no KV-cache method and the checkpoint's self_attn.k_proj.k_scale / "
+                "v_proj.v_scale are remapped to self_attn.attn.k_scale, which does not exist, and dropped; the FP8 "
+                "latent cache uses scale 1.0. kv_cache_quant_algo FP8 in the export would switch that FP8 cache on "
+                "by itself (--kv-cache-dtype auto follows the checkpoint)",
+        "sglang": "models/kimi_k3.py maps self_attn.k_proj.k_scale to self_attn.attn.k_scale (its MLA has attn_mqa / "
+                  "attn_mha), does not find it and skips it; the FP8 latent cache uses scale 1.0",
+        "trtllm": "not known to load one: its Kimi-K3 MLA (KimiK3MLAAttention, a thin subclass of the shared MLA "
+                  "module) has no self_attn.k_proj / v_proj to carry ModelOpt's names, and no loading of a KV scale "
+                  "for it was found (not traced further)",
+    },
+    measured="ModelOpt 0.47 attaches k_bmm_quantizer / v_bmm_quantizer to the MLA attention module and measures "
+             "them on the decompressed per-head keys and values (kv_b_proj's output with k_pe), not on the latent "
+             "the engines cache; on the stand-in's remote code (two torch.matmul calls, rewritten by ModelOpt's source "
+             "patch) they are also swapped (k_bmm_quantizer sees the values); the export names them "
+             "self_attn.k_proj.k_scale / v_proj.v_scale, modules MLA does not have",
+    alternative="remove the entry (or disable it: quantizer_name '*[kv]_bmm_quantizer', enable: false) and serve "
+                "with the engine's own FP8 KV cache: vLLM or SGLang --kv-cache-dtype fp8_e4m3, TensorRT-LLM "
+                "kv_cache_config dtype fp8; vLLM and SGLang quantize the latent with scale 1.0 there",
+)

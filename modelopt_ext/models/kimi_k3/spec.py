@@ -96,6 +96,7 @@ KIMI_K3 = register_family(
             engine_name=serving.engine_name,
             layer_aliases=serving.layer_aliases,
             linear_shape=serving.linear_shape,
+            kv_cache=serving.KV_CACHE,
         ),
     )
 )
