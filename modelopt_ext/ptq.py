@@ -235,9 +235,11 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     recipe = recipes.load(source, overrides=args.set or ())
     if family.serving is not None:  # a group an engine fuses into one GEMM must get one quantization
         from modelopt_ext.quant.fused_groups import check_fused_groups
+        from modelopt_ext.quant.kv_cache import check_kv_cache
 
-        check_fused_groups(recipes.quant_config(recipe, config)["quant_cfg"], config, family.serving,
-                           str(recipe.path))
+        quant = recipes.quant_config(recipe, config)
+        check_fused_groups(quant["quant_cfg"], config, family.serving, str(recipe.path))
+        check_kv_cache(quant["quant_cfg"], config, family.serving, str(recipe.path), quant.sources)
     # trust_remote_code=False: the tokenizer is not remote code, and None makes transformers ask on the
     # terminal (for up to 15 s) whether to run the checkpoint's configuration code
     check_tokenizer_files(args.model)  # names a missing or garbled file; transformers would guess or fail late
@@ -315,7 +317,7 @@ class _Run:
         quality = None
         if getattr(a, "quality_blocks", 0):
             with self.phase("quality"):
-                quality = self._quality(result.model, inputs)
+                quality = self._quality(result, inputs)
         with self.phase("export"):
             calibrated = sum(gather_objects(tokens))  # every rank's, for the export's provenance
             export = all_or_fail("export", lambda: self._export(result, inputs, calibrated, quality))
@@ -430,7 +432,7 @@ class _Run:
                           "prepare": round(prepared, 3), **result.seconds}
         return result, tokens
 
-    def _quality(self, model, inputs: Inputs) -> dict:
+    def _quality(self, result, inputs: Inputs) -> dict:
         """The quality report (`quant.quality`) on --quality-blocks held-out blocks, the ones after the
         calibration blocks (never calibrated on), dealt to the ranks as calibration blocks are."""
         from modelopt_ext.quant.data import calibration_batches
@@ -445,11 +447,12 @@ class _Run:
 
         batches = all_or_fail("quality", held_out)
         count = min(gather_objects(len(batches)))  # collective EP forwards: the same number on every rank
-        device = model.get_input_embeddings().weight.device
+        device = result.model.get_input_embeddings().weight.device
         batches = [{k: v.to(device) for k, v in b.items()} for b in batches[:count]]
         moe_glob = inputs.family.router_glob.rpartition(".")[0]
         return all_or_fail("quality", lambda: measure_quality(
-            model, batches, moe_glob=moe_glob, expert_input_scales=getattr(a, "expert_input_scales", "shared")))
+            result.model, batches, moe_glob=moe_glob, expert_input_scales=getattr(a, "expert_input_scales", "shared"),
+            baseline_weight_amax=result.max_weight_amax))
 
     def _export(self, result, inputs: Inputs, calibrated_tokens: int, quality: dict | None = None):
         from modelopt_ext import provenance

@@ -36,6 +36,8 @@ from modelopt_ext.profiling import BatchProfiler, sync_device
 from .collect import check_collected, deferred_checks
 from .coverage import Coverage, record_expert_coverage
 from .modelopt_import import import_modelopt
+from .recipe_io import check_calibrators
+from .search import search_weights, split_algorithm
 from .sync import calibration_algorithm, check_finite_amax, naming_nonfinite_quantizer, sync_amax
 
 logger = logging.getLogger(__name__)
@@ -55,9 +57,13 @@ class CalibrationResult:
     # (ModelOpt's conversion and, before the loop in ModelOpt 0.47's max calibration, the weight statistics of
     # every weight quantizer), "first_batch" (the first forward, to a device synchronize: first-call costs),
     # "forward" (the other batches and the deferred statistics check, which reads back), "finish" (ModelOpt
-    # after the loop: the collected statistics loaded as amax), "sync" (amax sync under torch.distributed and
-    # the finiteness check), "coverage" (the count summed over ranks and its checks)
+    # after the loop: the collected statistics loaded as amax), "sync" (amax sync under torch.distributed, the
+    # weight search of mse / local_hessian with its forward pass (quant/search.py) and the finiteness check),
+    # "coverage" (the count summed over ranks and its checks)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # weight quantizer name -> the amax max calibration gave it, kept when a weight search (mse, local_hessian)
+    # then changed amax: what the calibration-free baseline of the quality report quantizes weights with
+    max_weight_amax: dict[str, torch.Tensor] | None = None
 
 
 @contextlib.contextmanager
@@ -115,6 +121,20 @@ def name_parent_class_rules(quant_cfg: list, model: torch.nn.Module) -> list:
     return out
 
 
+def _search(model: torch.nn.Module, search, batches: list) -> dict[str, Any]:
+    """The weight search after the amax sync (`search.search_weights`), replaying this rank's batches where it
+    needs a forward pass."""
+
+    def replay(m):
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                mark(f"{search.method} forward batch {i + 1}/{len(batches)}")
+                m(**batch, use_cache=False)
+
+    with _integer_params_under_fsdp(model):
+        return search_weights(model, search, replay)
+
+
 def calibrate(
     model: torch.nn.Module,
     quant_cfg: Mapping[str, Any],
@@ -132,8 +152,10 @@ def calibrate(
     if uncovered not in POLICIES:
         raise ValueError(f"uncovered-experts policy {uncovered!r} is not one of {POLICIES}")
     cfg = dict(quant_cfg)
-    cfg["algorithm"] = calibration_algorithm(cfg.get("algorithm", "max"))
+    # a weight search (mse, local_hessian) runs after the amax sync, on synced amax (quant/search.py)
+    cfg["algorithm"], search = split_algorithm(calibration_algorithm(cfg.get("algorithm", "max")))
     if isinstance(cfg.get("quant_cfg"), list):
+        check_calibrators(cfg["quant_cfg"], "quant config")  # `--set` can set one after the recipe's checks
         cfg["quant_cfg"] = name_parent_class_rules(cfg["quant_cfg"], model)
     batches = list(batches)
     for module in model.modules():  # per-expert input statistics (export/expert_inputs.py) of this calibration only
@@ -142,9 +164,9 @@ def calibrate(
             reset()
     routing = all_experts_routing(model, router_glob, num_experts) if uncovered == "all-experts" else (
         contextlib.nullcontext())
-    # routing hooks first, so the coverage hook (registered after) counts what the experts actually get
-    with routing, record_expert_coverage(model, router_glob, num_experts) as coverage:
-
+    # routing hooks first, so the coverage hook (registered after) counts what the experts actually get; routing
+    # stays on through a weight search's own forward pass (local_hessian), which coverage does not count
+    with routing:
         marks = [("start", time.perf_counter())]  # (part that ended, when)
 
         def forward_loop(m):
@@ -165,10 +187,20 @@ def calibrate(
             check_collected(m)  # the statistics' finiteness, deferred from every collect to here (a host read)
             marks.append(("forward", time.perf_counter()))
 
-        with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks():
-            model = mtq.quantize(model, cfg, forward_loop)
-        marks.append(("finish", time.perf_counter()))
-    report = sync_amax(model) if dist.is_available() and dist.is_initialized() else None
+        with record_expert_coverage(model, router_glob, num_experts) as coverage:
+            with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks():
+                model = mtq.quantize(model, cfg, forward_loop)
+            marks.append(("finish", time.perf_counter()))
+        distributed = dist.is_available() and dist.is_initialized()
+        report = sync_amax(model) if distributed else None
+        max_weight_amax = None
+        if search is not None:
+            max_weight_amax = _weight_amax(model)
+            searched = _search(model, search, batches)
+            if distributed:  # ranks bitwise in step after the search, whatever its arithmetic did
+                sync_amax(model)
+            if report is not None:
+                report["search"] = searched
     check_finite_amax(model)  # one process too: sync_amax only sees what it reduces
     marks.append(("sync", time.perf_counter()))
     missing = coverage.uncovered()
@@ -180,4 +212,13 @@ def calibrate(
     logger.info(coverage.summary_line())
     marks.append(("coverage", time.perf_counter()))
     seconds = {part: round(end - start, 3) for (_, start), (part, end) in zip(marks, marks[1:])}
-    return CalibrationResult(model, coverage, report, seconds)
+    return CalibrationResult(model, coverage, report, seconds, max_weight_amax)
+
+
+def _weight_amax(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every enabled weight quantizer's amax, by quantizer name."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return {n: q._amax.detach().clone() for n, q in model.named_modules()
+            if isinstance(q, TensorQuantizer) and q.is_enabled and "weight_quantizer" in n
+            and getattr(q, "_amax", None) is not None}

@@ -7,8 +7,9 @@ Three quantization states of the same calibrated model are compared, all as the 
 - "ours": the recipe's quantizers as calibrated, except routed-expert weights that the export carries as the
   exact cast of their MXFP4 source (`export.exact_cast`: no weight error, so their weight quantizers are off),
   and routed-expert inputs at each expert's own amax when the export writes per-expert input scales;
-- "baseline": NVIDIA's calibration-free converter: the same weights, every input quantizer at the amax that
-  gives input_scale 1.0 (NVFP4: 6 x 448; FP8: 448), no per-expert scales.
+- "baseline": NVIDIA's calibration-free converter: the same weights (where a weight search (mse,
+  local_hessian) set ours, the weights at max calibration's amax instead, which needs no data), every input
+  quantizer at the amax that gives input_scale 1.0 (NVFP4: 6 x 448; FP8: 448), no per-expert scales.
 
 Measured (one pass per held-out batch in the reference state, with hooks):
 - every quantized linear module and every fused experts module: the relative error (Frobenius, over all
@@ -81,12 +82,16 @@ class _States:
     NVFP4 quantizers are simulated (`formats.nvfp4.fake_quantize_nvfp4` in a forward hook of the disabled
     ModelOpt quantizer, reading its amax at call time), as ModelOpt's NVFP4 fake quantization needs CUDA."""
 
-    def __init__(self, model: nn.Module, expert_input_scales: str):
+    def __init__(self, model: nn.Module, expert_input_scales: str,
+                 baseline_weight_amax: Mapping[str, torch.Tensor] | None = None):
         from modelopt_ext.export.expert_inputs import is_nvfp4_quantizer
 
         quantizers = _quantizers(model)
         self.saved = {id(q): (q.is_enabled, None if getattr(q, "_amax", None) is None else q._amax.detach().clone())
                       for _, q in quantizers}
+        # weight quantizer -> the amax the baseline quantizes its weight with (max calibration, no search)
+        self.baseline_weight = {id(q): baseline_weight_amax[n] for n, q in quantizers
+                                if baseline_weight_amax and n in baseline_weight_amax}
         self.per_expert = expert_input_scales == "per-expert"
         self.exact = {id(m): _exact_experts(m) for m in model.modules() if hasattr(m, "expert_input_amax")}
         self.simulated: dict[int, bool] = {}  # NVFP4 quantizer -> whether it quantizes now
@@ -116,6 +121,8 @@ class _States:
             on = enabled and state != "reference"
             if state == "baseline" and on and name.endswith("input_quantizer") and amax is not None:
                 q.amax = torch.full_like(amax, _baseline_amax(q))
+            if state == "baseline" and on and id(q) in self.baseline_weight:
+                q.amax = self.baseline_weight[id(q)].to(amax.device)
             self._set(q, on)
         for m in module.modules():
             if id(m) not in self.exact:
@@ -240,10 +247,12 @@ def _logit_stats(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, int]:
 
 
 def measure_quality(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *, moe_glob: str,
-                    expert_input_scales: str = "per-expert") -> dict[str, Any]:
+                    expert_input_scales: str = "per-expert",
+                    baseline_weight_amax: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The report (module doc) as a JSON-ready dict, the same on every rank. Leaves the model calibrated as
-    it was."""
-    states = _States(model, expert_input_scales)
+    it was. `baseline_weight_amax` (quantizer name -> amax; `CalibrationResult.max_weight_amax`): the weight
+    amax of max calibration where a weight search changed ours; the baseline quantizes those weights with it."""
+    states = _States(model, expert_input_scales, baseline_weight_amax)
     sums: dict[str, _Sums] = {}
     skipped: list[str] = []
     logits = {state: [0.0, 0] for state in STATES}

@@ -13,7 +13,8 @@ On failure `_explain_failure` builds a ValueError naming the original file and t
 entry (found by loading the entries one by one); `_pydantic_errors` formats validation errors.
 `_entry_sources` attributes every resolved `quant_cfg` entry to the file and entry it was written in
 (`EntrySource`), following `$import`s into unit files. `_check_bits` then refuses a `num_bits` /
-`scale_bits` string that names no ExMy format on an entry without a custom backend (ModelOpt accepts it).
+`scale_bits` string that names no ExMy format on an entry without a custom backend (ModelOpt accepts it), and
+(`_check_calibrator`) a quantizer calibrator other than max, such as `histogram` (percentile / MSE / entropy).
 `check_algorithm` refuses a `quantize.algorithm` that ModelOpt's calibration-mode registry does not know
 (ModelOpt's schema takes any string or mapping there and `mtq.quantize` fails on it after the model is
 loaded), one that `modelopt_ext.quant.calibrate` cannot run (see `SYNC_FIELD`), or settings its config
@@ -230,13 +231,16 @@ def _explain_failure(path: Path, err: ValueError, data: dict[str, Any], folder: 
 def _check_bits(entries: list[dict[str, Any]], sources: list[EntrySource]) -> None:
     """Refuse a string `num_bits` / `block_sizes.scale_bits` other than ExMy (which ModelOpt turns into a
     tuple) on a quantizer without a custom `backend`: ModelOpt's schema takes any string there (for custom
-    backends) and the mistake would only surface in `mtq.quantize`, after the model is loaded."""
+    backends) and the mistake would only surface in `mtq.quantize`, after the model is loaded. Also refuses a
+    quantizer calibrator other than max (`_check_calibrator`)."""
     for entry, source in zip(entries, sources):
         cfgs = entry.get("cfg") or []
         for k, cfg in enumerate(cfgs if isinstance(cfgs, list) else [cfgs]):
+            where = f"cfg[{k}]" if isinstance(cfgs, list) else "cfg"
+            if isinstance(cfg, dict) and entry.get("enable", True) is not False:
+                _check_calibrator(entry, source, where, cfg.get("calibrator", "max"))
             if not isinstance(cfg, dict) or cfg.get("backend") is not None:
                 continue
-            where = f"cfg[{k}]" if isinstance(cfgs, list) else "cfg"
             values = [("num_bits", cfg.get("num_bits"))]
             if isinstance(cfg.get("block_sizes"), dict):
                 values.append(("block_sizes.scale_bits", cfg["block_sizes"].get("scale_bits")))
@@ -247,6 +251,35 @@ def _check_bits(entries: list[dict[str, Any]], sources: list[EntrySource]) -> No
                         f"{value!r}; expected an int (e.g. 8) or ExMy (e.g. e4m3); other strings are for a custom "
                         "backend, and this entry sets none"
                     )
+
+
+def check_calibrators(quant_cfg: list, source: str) -> None:
+    """`_check_calibrator` over a resolved `quant_cfg` list (e.g. after `--set` overrides, in `calibrate`)."""
+    for i, entry in enumerate(quant_cfg):
+        cfgs = entry.get("cfg") if isinstance(entry, dict) else None
+        for k, cfg in enumerate(cfgs if isinstance(cfgs, list) else [cfgs]):
+            if isinstance(cfg, dict) and entry.get("enable", True) is not False:
+                where = f"cfg[{k}]" if isinstance(cfgs, list) else "cfg"
+                _check_calibrator(entry, EntrySource(source, f"quantize.quant_cfg[{i}]"), where,
+                                  cfg.get("calibrator", "max"))
+
+
+def _check_calibrator(entry: dict[str, Any], source: EntrySource, where: str, calibrator: Any) -> None:
+    """Refuse a quantizer `calibrator` other than ModelOpt's max one (`histogram`, or a constructor): ModelOpt
+    0.47's calibration algorithms load every calibrator's amax with `compute_amax()` and no method, which its
+    HistogramCalibrator refuses (TypeError, after the model is loaded); and its histograms take their bins
+    from each rank's own first batch, so under EP they could not be summed over ranks either."""
+    if calibrator == "max":
+        return
+    shown = repr(calibrator) if isinstance(calibrator, str) else f"a {type(calibrator).__name__} constructor"
+    raise ValueError(
+        f"{source}: quantizer_name {entry.get('quantizer_name')!r}: {where}.calibrator is {shown}; modelopt_ext "
+        "calibrates with ModelOpt's max calibrator only: ModelOpt 0.47's calibration algorithms never ask a "
+        "histogram calibrator for its percentile / MSE / entropy amax (they fail on it after the model is "
+        "loaded), and its histograms are binned from each rank's own data, so ranks' histograms cannot be summed "
+        "under expert parallelism; drop calibrator (activation amax: max; weight amax searches: "
+        "quantize.algorithm.method mse or local_hessian)"
+    )
 
 
 def _entry_sources(path: Path, data: dict[str, Any], count: int) -> list[EntrySource]:

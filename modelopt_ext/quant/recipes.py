@@ -77,6 +77,7 @@ from modelopt_ext.quant.recipe_io import (
     _load_modelopt,
     _pydantic_errors,
     _read_raw,
+    check_calibrators,
 )
 from modelopt_ext.quant.recipe_io import check_algorithm as check_algorithm
 
@@ -240,6 +241,7 @@ def load(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> Reci
         count = len(loaded["quantize"]["quant_cfg"])
         if count != len(sources):
             sources = [EntrySource(str(path), f"quantize.quant_cfg[{k}] (after --set)") for k in range(count)]
+        check_calibrators(loaded["quantize"]["quant_cfg"], f"{path}: after --set {' '.join(overrides)}")
     changed = loaded["quantize"]["algorithm"] != algorithm  # refused where it was set: the file or --set
     check_algorithm(loaded["quantize"]["algorithm"], f"{path}: after --set {' '.join(overrides)}" if changed
                     else str(path))

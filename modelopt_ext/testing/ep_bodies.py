@@ -34,6 +34,47 @@ def dispatch_by_hand(rank: int, world_size: int):
             "recv_sizes": meta.recv_sizes, "out": out}
 
 
+# combine_bf16_by_hand: HAND_IDS' routing; weights that bf16 cannot hold (rounding them to bf16 moves each by
+# up to 2**-9 relative) and tokens whose expert outputs bf16 holds exactly (few mantissa bits).
+BF16_WEIGHTS = {0: [[1 / 3, 0.1], [0.7, 0.2], [2 / 3, 0.45]], 1: [[0.3, 1 / 7], [0.55, 0.35], [0.9, 1 / 9]]}
+
+
+def bf16_tokens(rank: int) -> torch.Tensor:
+    """bf16 [3, 2]: token t of rank r is [1 + r/4 + t/16, -(2 + t/8)]; times 1..4 stays exact in bf16."""
+    t = torch.arange(3, dtype=torch.float32)
+    return torch.stack([1 + 0.25 * rank + t / 16, -(2 + t / 8)], dim=1).to(torch.bfloat16)
+
+
+def combine_bf16_by_hand(rank: int, world_size: int):
+    """bf16 tokens through dispatch -> "expert" (times global expert id + 1) -> combine with fp32 weights;
+    the overlapped pipeline (`ep.overlap`, both NCCL-style links on gloo, 1 and 2 chunks) on the same inputs."""
+    from modelopt_ext.ep import overlap
+
+    x, ids, w = bf16_tokens(rank), torch.tensor(HAND_IDS[rank]), torch.tensor(BF16_WEIGHTS[rank])
+    group = dist.group.WORLD
+    recv_x, recv_ids, meta = dispatch(x, ids, num_local_experts=2, group=group)
+    y = recv_x * (recv_ids + 2 * rank + 1).unsqueeze(-1).to(recv_x.dtype)
+    out = combine(y, w, meta, group)
+
+    def run_rows(rows, segments):
+        result = torch.empty_like(rows)
+        for e, start, n in segments:
+            result[start:start + n] = rows[start:start + n] * (e + 2 * rank + 1)
+        return result
+
+    pipelined = {}
+    saved = overlap.TOKEN_DISPATCH
+    try:
+        for token_dispatch in (False, True):
+            overlap.TOKEN_DISPATCH = token_dispatch
+            for chunks in (1, 2):
+                with torch.no_grad():
+                    got = overlap.overlapped_moe(x, ids, w, 2, group, run_rows, chunks=chunks)
+                pipelined[f"token_dispatch={token_dispatch},chunks={chunks}"] = got
+    finally:
+        overlap.TOKEN_DISPATCH = saved
+    return {"out": out, "pipelined": pipelined}
+
 def _force_routing(model, experts: list[int]) -> None:
     """Every token of every MoE layer goes to `experts` (weights stay the router's)."""
     forced = torch.tensor(experts)
@@ -388,3 +429,38 @@ def overlap_path_logits(rank: int, world_size: int, ckpt: str):
         finally:
             experts_module._FusedExpertsBase.fast_path = original
     return {"usual": usual, "overlapped": overlapped, "fast_path_calls": taken["n"]}
+
+
+def calibrate_algorithm_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str,
+                                   algorithm: dict | str, dense: str = "replicate", batches: int = 4):
+    """Load (EP over the world when it has more than one rank), calibrate `recipe` with `algorithm` in place of
+    its own on this rank's share of `batches` fixed batches (`export_bodies.calibration_batches`), export to
+    `out`. Returns every quantizer's amax by name (per-expert ones by global expert id) as fp32, and the sync
+    report."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from modelopt_ext.export.writer import export_checkpoint
+    from modelopt_ext.families import families
+    from modelopt_ext.quant.calibrate import calibrate
+    from modelopt_ext.quant.recipes import quant_config
+    from modelopt_ext.testing.export_bodies import calibration_batches, verify_on_rank_0
+
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32}
+    if world_size > 1:
+        kwargs.update(ep_size=world_size, dense=dense)
+    model = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    cfg = dict(quant_config(recipe, model.config))
+    cfg["algorithm"] = algorithm
+    result = calibrate(model, cfg, calibration_batches(rank, world_size, batches),
+                       router_glob=families()["kimi_k3"].router_glob, num_experts=16)
+    amax = {}
+    for name, q in result.model.named_modules():
+        if isinstance(q, TensorQuantizer) and getattr(q, "_amax", None) is not None:
+            if "_weight_quantizers." in name:
+                head, _, idx = name.rpartition(".")
+                local = result.model.get_submodule(head.rpartition(".")[0]).num_experts
+                name = f"{head}.{int(idx) + rank * local}"
+            amax[name] = q._amax.detach().float().clone()
+    export_checkpoint(result.model, out, source_dir=ckpt, overwrite=True)
+    verify_on_rank_0(rank, out, ckpt)
+    return {"amax": amax, "sync": result.sync}

@@ -1,5 +1,7 @@
 """calibrate(): coverage, amax sync and the uncovered-experts policies, on 2 gloo ranks and in one process."""
 
+import copy
+
 import pytest
 import torch
 
@@ -80,3 +82,85 @@ def test_parent_class_rules_are_spelt_out_per_module():
     out = name_parent_class_rules(cfg, model)
     assert out[:2] == cfg[:2] and out[3] == cfg[2]
     assert out[2] == {"parent_class": None, "quantizer_name": "0.*", "enable": False}
+
+
+# ------------------------------------------------------------------ weight searches (quant/search.py)
+
+ALGORITHM_BODY = "modelopt_ext.testing.ep_bodies:calibrate_algorithm_and_export"
+NO_LAYERWISE = {"layerwise": {"enable": False}}
+
+
+@pytest.mark.parametrize("recipe, algorithm", [
+    ("kimi_k3/nvfp4_experts-fp8_attention", {"method": "mse"}),
+    ("kimi_k3/fp8_all", {"method": "mse"}),
+    # fp8_scale_sweep (local_hessian's default) searches NVFP4-static weights only, none here: sweep off
+    ("kimi_k3/fp8_all", {"method": "local_hessian", "fp8_scale_sweep": False}),
+])
+def test_weight_search_under_ep2_matches_one_process(tiny_ckpt, tmp_path, recipe, algorithm):
+    """Every quantizer's amax (fp32) and the export, byte for byte: before quant/search.py, local_hessian's
+    per-rank Hessians gave amax up to 0.77 apart on the stand-in."""
+    src = copy_checkpoint(tiny_ckpt, tmp_path, "search_src")
+    kwargs = {"ckpt": str(src), "recipe": recipe, "algorithm": {**algorithm, **NO_LAYERWISE}}
+    one = run_ranks(ALGORITHM_BODY, 1, {**kwargs, "out": str(tmp_path / "ep1")}, timeout_s=300)[0]
+    two = run_ranks(ALGORITHM_BODY, 2, {**kwargs, "out": str(tmp_path / "ep2")}, timeout_s=300)
+    assert two[0]["sync"]["search"]["method"] == algorithm["method"]
+    if algorithm["method"] == "local_hessian":
+        assert two[0]["sync"]["search"]["hessians_reduced"] > 0
+    merged = {}
+    for r in two:
+        for name, amax in r["amax"].items():
+            if name in merged:  # shared quantizers: the ranks agree bitwise
+                assert torch.equal(merged[name], amax), name
+            merged[name] = amax
+    assert sorted(merged) == sorted(one["amax"])
+    differing = [n for n, a in one["amax"].items() if not torch.equal(a, merged[n])]
+    assert not differing, differing[:5]
+    files = {p.name: p.read_bytes() for p in (tmp_path / "ep1").iterdir()}
+    assert files == {p.name: p.read_bytes() for p in (tmp_path / "ep2").iterdir()}
+
+
+def test_mse_weight_error_is_at_most_max(tiny_ckpt, tmp_path):
+    """The FP8 128x128-block weight-only modules of the production recipe: MSE's searched weight amax gives a
+    relative Frobenius error (fake-quantized vs source) no larger than max's, module by module, and lower in
+    total; the routed experts' weight amax are left at max (their export is the exact MXFP4 cast)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from modelopt_ext.quant.recipes import quant_config
+    from modelopt_ext.testing.export_bodies import calibration_batches
+
+    src = copy_checkpoint(tiny_ckpt, tmp_path, "mse_src")
+    errors, experts = {}, {}
+    for method in ("max", "mse"):
+        model = modelopt_ext.from_pretrained(str(src), trust_remote_code=True, dtype=torch.float32)
+        cfg = dict(quant_config("kimi_k3/nvfp4_experts-fp8_attention", model.config))
+        cfg["algorithm"] = {"method": method, **NO_LAYERWISE}
+        model = calibrate(model, cfg, calibration_batches(0, 1, 2), router_glob=families()["kimi_k3"].router_glob,
+                          num_experts=16).model
+        errors[method], experts[method] = {}, {}
+        with torch.no_grad():
+            for name, m in model.named_modules():
+                q = getattr(m, "weight_quantizer", None)
+                if isinstance(q, TensorQuantizer) and q.is_enabled:
+                    w = m.weight.float()
+                    errors[method][name] = float((q(w) - w).norm() / w.norm())
+                if "_weight_quantizers." in name and isinstance(m, TensorQuantizer):
+                    experts[method][name] = m.amax.clone()
+    assert len(errors["max"]) == 40
+    assert all(errors["mse"][n] <= errors["max"][n] for n in errors["max"])
+    assert sum(errors["mse"].values()) < sum(errors["max"].values())
+    assert all(torch.equal(experts["max"][n], a) for n, a in experts["mse"].items())
+
+
+def test_histogram_calibrator_is_refused_before_calibration(tiny_ckpt, tmp_path):
+    from modelopt_ext.quant.recipes import load, quant_config
+
+    """A quant config built in Python (not through `recipes.load`, which refuses it too) is checked again."""
+    model = modelopt_ext.from_pretrained(str(copy_checkpoint(tiny_ckpt, tmp_path, "hist_src")), trust_remote_code=True,
+                                         dtype=torch.float32)
+    cfg = copy.deepcopy(dict(quant_config(load("kimi_k3/fp8_all"), model.config)))
+    index = next(i for i, e in enumerate(cfg["quant_cfg"]) if e.get("quantizer_name") == "*input_quantizer")
+    cfg["quant_cfg"][index]["cfg"]["calibrator"] = "histogram"
+    with pytest.raises(ValueError, match=rf"quant config quantize.quant_cfg\[{index}\]: quantizer_name "
+                       r"'\*input_quantizer': cfg.calibrator is 'histogram'; modelopt_ext calibrates with ModelOpt's "
+                       r"max calibrator only"):
+        calibrate(model, cfg, [], router_glob=families()["kimi_k3"].router_glob, num_experts=16)

@@ -569,3 +569,21 @@ def test_skipped_family_globs_leave_every_quantizer_as_it_was(checkpoint, name):
     (pruned, n_pruned), (full, n_full) = states
     assert n_pruned < n_full
     assert len(pruned) > 100 and pruned == full
+
+
+def test_histogram_calibrator_is_refused_at_load(tmp_path):
+    """ModelOpt 0.47's calibration algorithms fail on a histogram calibrator (compute_amax without a method)
+    after the model is loaded; percentile / histogram-MSE / entropy activation amax are refused at load."""
+    entry = {"quantizer_name": "*self_attn.o_proj.input_quantizer", "cfg": {"$import": "fp8", "calibrator": "histogram"}}
+    path = _write(tmp_path / "user.yaml", _user_recipe([O_PROJ_FP8, entry]))
+    with pytest.raises(ValueError, match=rf"^{path} quantize.quant_cfg\[2\]: quantizer_name "
+                       r"'\*self_attn.o_proj.input_quantizer': cfg.calibrator is 'histogram'; modelopt_ext calibrates "
+                       r"with ModelOpt's max calibrator only: .* cannot be summed under expert parallelism"):
+        R.load(path)
+
+
+def test_histogram_calibrator_set_by_override_is_refused_at_load():
+    """`--set` applies after the file's checks: a calibrator it sets is refused there too, before loading."""
+    with pytest.raises(ValueError, match=r"after --set quantize.quant_cfg.2.cfg.calibrator=histogram .*"
+                       r"cfg.calibrator is 'histogram'; modelopt_ext calibrates with ModelOpt's max calibrator only"):
+        R.load("kimi_k3/nvfp4_experts_only", overrides=["quantize.quant_cfg.2.cfg.calibrator=histogram"])
