@@ -25,6 +25,16 @@ def tiny_ckpt(tmp_path_factory):
     return tiny_kimi_k3(tmp_path_factory.mktemp("ckpt"))
 
 
+@pytest.fixture(scope="session")
+def fitted_ckpt(tmp_path_factory):
+    """The stand-in fitted to the embedded corpus for 20 steps (`make-tiny --fit 20`, about 20 s on 2 cores):
+    its routing and activations are those of a trained model, not of random weights, so quality numbers
+    measured on it mean something (docs/standin.md)."""
+    from modelopt_ext.testing.checkpoints import tiny_kimi_k3
+
+    return tiny_kimi_k3(tmp_path_factory.mktemp("fitted"), fit_steps=20)
+
+
 @pytest.fixture
 def loads(monkeypatch):
     """Calls of `modelopt_ext.from_pretrained`, made to fail: for tests whose input must be refused before

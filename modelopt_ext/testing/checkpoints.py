@@ -9,12 +9,13 @@ from pathlib import Path
 from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
 
 
-def tiny_kimi_k3(root: Path, seed: int = 0, sizes: TinySizes = TinySizes()) -> Path:
-    """Path of a stand-in generated under `root` for (seed, sizes); generated on first use."""
+def tiny_kimi_k3(root: Path, seed: int = 0, sizes: TinySizes = TinySizes(), fit_steps: int = 0) -> Path:
+    """Path of a stand-in generated under `root` for (seed, sizes, fit_steps); generated on first use. With
+    `fit_steps` the weights are fitted to the embedded corpus first (`make-tiny --fit`)."""
     digest = hashlib.sha256(repr(dataclasses.astuple(sizes)).encode()).hexdigest()[:10]
-    out = Path(root) / f"kimi_k3-seed{seed}-{digest}"
+    out = Path(root) / f"kimi_k3-seed{seed}-{digest}{f'-fit{fit_steps}' if fit_steps else ''}"
     if not (out / "config.json").exists():
-        make_tiny(out, seed=seed, sizes=sizes, force=True)
+        make_tiny(out, seed=seed, sizes=sizes, force=True, fit_steps=fit_steps)
     return out
 
 

@@ -88,3 +88,23 @@ def test_the_report_at_ep2_equals_one_process(runs):
     for state in ("ours", "baseline"):
         assert two["logits"][state]["top1_agreement"] == one["logits"][state]["top1_agreement"]
         assert two["logits"][state]["kl"] == pytest.approx(one["logits"][state]["kl"], rel=1e-4)
+
+
+def test_on_the_fitted_standin_ours_beats_the_calibration_free_baseline(fitted_ckpt, tmp_path):
+    """Item 3 of issue 20, on a stand-in whose activations are a trained model's (`make-tiny --fit 20`): every
+    routed-expert module and every MoE block has a lower held-out output error in our export than in the
+    calibration-free one (same exact-cast weights; calibrated input scales against 1.0), and the report
+    says where calibration changes nothing (the FP8 weight-only modules: equal). Measured: experts 0.12 vs
+    0.35 on average, each layer at least 1.5x lower (docs/ptq.md)."""
+    source = copy_checkpoint(fitted_ckpt, tmp_path, "fitted_src")
+    rc, err = _ptq(["--model", str(source), "--export-dir", str(tmp_path / "out"), *FAST, "--quality-blocks", "4"],
+                   tmp_path, 1)
+    assert rc == 0, err[-3000:]
+    report = json.loads((tmp_path / "out" / "quality.json").read_text())
+    blocks = {n: m for n, m in report["modules"].items() if m["kind"] in ("experts", "moe_block")}
+    assert len(blocks) == 10
+    for name, m in blocks.items():
+        assert m["ours"] < m["baseline"], (name, m)
+    for name, m in report["modules"].items():
+        if m["kind"] == "linear":
+            assert m["ours"] == m["baseline"], name
