@@ -61,6 +61,22 @@ def shared_exponent(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> int | N
     return None if hi - lo > E4M3_MAX_EXP - E4M3_MIN_EXP else hi - E4M3_MAX_EXP
 
 
+def exact_experts(experts) -> dict[str, list[bool]]:
+    """Per projection ("gate_up_proj", "down_proj") of fused experts that `mxfp4_to_nvfp4` accepts: whether
+    each local expert's weights are exported as the exact cast (w1 and w3 cast together); {} for others."""
+    if not mxfp4_to_nvfp4(experts):
+        return {}
+    out = {}
+    for p in ("gate_up_proj", "down_proj"):
+        packed, scale = (t.to_local() if hasattr(t, "to_local") else t
+                         for t in (getattr(experts, f"{p}_packed"), getattr(experts, f"{p}_scale")))
+        half = packed.shape[1] // 2
+        out[p] = [shared_exponent([(packed[e, :half], scale[e, :half]), (packed[e, half:], scale[e, half:])]
+                                  if p == "gate_up_proj" else [(packed[e], scale[e])]) is not None
+                  for e in range(packed.shape[0])]
+    return out
+
+
 def cast_pair(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Nvfp4] | None:
     """The exact NVFP4 form of MXFP4 weights sharing one per-tensor scale: `tensors` holds (packed uint8
     [rows, cols/2], E8M0 scale bytes uint8 [rows, cols/32]) per weight. None when one block scale would fall

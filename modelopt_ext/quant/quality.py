@@ -58,24 +58,6 @@ def _baseline_amax(q) -> float:
     return float(q.maxbound) * (E4M3_MAX if is_nvfp4_quantizer(q) else 1.0)
 
 
-def _exact_experts(module: nn.Module) -> dict[str, list[bool]]:
-    """Per projection of a fused experts module stored MXFP4 with NVFP4 weight quantizers: whether each
-    expert's weights are exported as the exact cast (the writer's rule: w1/w3 cast together)."""
-    from modelopt_ext.export.exact_cast import mxfp4_to_nvfp4, shared_exponent
-
-    if not mxfp4_to_nvfp4(module):
-        return {}
-    out = {}
-    for p in ("gate_up_proj", "down_proj"):
-        packed, scale = getattr(module, f"{p}_packed"), getattr(module, f"{p}_scale")
-        packed, scale = (t.to_local() if isinstance(t, DTensor) else t for t in (packed, scale))
-        half = packed.shape[1] // 2
-        out[p] = [shared_exponent([(packed[e, :half], scale[e, :half]), (packed[e, half:], scale[e, half:])]
-                                  if p == "gate_up_proj" else [(packed[e], scale[e])]) is not None
-                  for e in range(packed.shape[0])]
-    return out
-
-
 class _States:
     """Puts modules' quantizers into one of the states (module doc); `restore` gives back the calibrated one.
 
@@ -84,6 +66,7 @@ class _States:
 
     def __init__(self, model: nn.Module, expert_input_scales: str,
                  baseline_weight_amax: Mapping[str, torch.Tensor] | None = None):
+        from modelopt_ext.export.exact_cast import exact_experts
         from modelopt_ext.export.expert_inputs import is_nvfp4_quantizer
 
         quantizers = _quantizers(model)
@@ -93,7 +76,7 @@ class _States:
         self.baseline_weight = {id(q): baseline_weight_amax[n] for n, q in quantizers
                                 if baseline_weight_amax and n in baseline_weight_amax}
         self.per_expert = expert_input_scales == "per-expert"
-        self.exact = {id(m): _exact_experts(m) for m in model.modules() if hasattr(m, "expert_input_amax")}
+        self.exact = {id(m): exact_experts(m) for m in model.modules() if hasattr(m, "expert_input_amax")}
         self.simulated: dict[int, bool] = {}  # NVFP4 quantizer -> whether it quantizes now
         self.handles = []
         for _, q in quantizers:

@@ -69,25 +69,12 @@ def split_algorithm(algorithm: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
 def exact_cast_quantizers(model: torch.nn.Module) -> set[int]:
     """ids of the routed experts' weight quantizers whose export is the exact cast of their MXFP4 source (the
     weight amax is not used there; see export/exact_cast.py)."""
-    from modelopt_ext.export.exact_cast import mxfp4_to_nvfp4, shared_exponent
-
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+    from modelopt_ext.export.exact_cast import exact_experts
 
     out: set[int] = set()
     for module in model.modules():
-        if not mxfp4_to_nvfp4(module):
-            continue
-        gate_up, gate_up_scale = local(module.gate_up_proj_packed), local(module.gate_up_proj_scale)
-        down, down_scale = local(module.down_proj_packed), local(module.down_proj_scale)
-        half = gate_up.shape[1] // 2
-        for e, (q_gate_up, q_down) in enumerate(zip(module.gate_up_proj_weight_quantizers,
-                                                    module.down_proj_weight_quantizers)):
-            pair = [(gate_up[e, :half], gate_up_scale[e, :half]), (gate_up[e, half:], gate_up_scale[e, half:])]
-            if shared_exponent(pair) is not None:
-                out.add(id(q_gate_up))
-            if shared_exponent([(down[e], down_scale[e])]) is not None:
-                out.add(id(q_down))
+        for p, exact in exact_experts(module).items():
+            out.update(id(q) for q, is_exact in zip(getattr(module, f"{p}_weight_quantizers"), exact) if is_exact)
     return out
 
 

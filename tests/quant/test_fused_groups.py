@@ -4,13 +4,9 @@ quantizer states it works out from the recipe equal those ModelOpt's own convers
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import yaml
 
-from modelopt_ext.families import family_for_config
 from modelopt_ext.quant import recipes as R
 from modelopt_ext.quant.fused_groups import QUANTIZERS, describe, quantizer_states, split_groups
 from modelopt_ext.testing.checkpoints import copy_checkpoint
@@ -19,32 +15,13 @@ SHIPPED = ["kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/fp8_all", "kimi_k3/nv
 PRODUCTION = SHIPPED[0]
 
 
-@pytest.fixture(scope="module")
-def config(tiny_ckpt):
-    return json.loads((tiny_ckpt / "config.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def serving(config):
-    return family_for_config(config, source="test").serving
-
-
-def _split_recipe(tmp_path, extra: list[dict]):
-    """The production recipe with `extra` entries added before the family exclusions."""
-    data = yaml.safe_load((R.RECIPES_DIR / "kimi_k3" / "nvfp4_experts-fp8_attention.yaml").read_text())
-    data["quantize"]["quant_cfg"][-2:-2] = extra
-    path = tmp_path / "split.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_recipes_split_no_group(name, config, serving):
     assert split_groups(R.quant_config(R.load(name), config)["quant_cfg"], config, serving) == []
 
 
-def test_a_kda_projection_left_out_is_a_split(tmp_path, config, serving):
-    path = _split_recipe(tmp_path, [{"quantizer_name": "*self_attn.b_proj*", "enable": False}])
+def test_a_kda_projection_left_out_is_a_split(config, serving, recipe_with):
+    path = recipe_with([{"quantizer_name": "*self_attn.b_proj*", "enable": False}], "nvfp4_experts-fp8_attention")
     lines = split_groups(R.quant_config(R.load(path), config)["quant_cfg"], config, serving)
     kda = [i + 1 for i in range(config["text_config"]["num_hidden_layers"])
            if i + 1 in config["text_config"]["linear_attn_config"]["kda_layers"]]
@@ -54,11 +31,11 @@ def test_a_kda_projection_left_out_is_a_split(tmp_path, config, serving):
         "b_proj: weights unquantized, inputs unquantized"]
 
 
-def test_mla_and_gate_up_splits_are_named(tmp_path, config, serving):
-    path = _split_recipe(tmp_path, [
+def test_mla_and_gate_up_splits_are_named(config, serving, recipe_with):
+    path = recipe_with([
         {"quantizer_name": "*kv_a_proj_with_mqa.weight_quantizer", "enable": False},
         {"quantizer_name": "*shared_experts.gate_proj.weight_quantizer", "cfg": {"num_bits": [4, 3]}},
-    ])
+    ], "nvfp4_experts-fp8_attention")
     lines = split_groups(R.quant_config(R.load(path), config)["quant_cfg"], config, serving)
     assert len(lines) == 2
     mla = next(line for line in lines if line.startswith("MLA"))
@@ -69,11 +46,11 @@ def test_mla_and_gate_up_splits_are_named(tmp_path, config, serving):
     assert "gate_proj: weights FP8 E4M3, inputs unquantized; up_proj: weights unquantized" in shared
 
 
-def test_ptq_refuses_a_split_group_in_validate(tiny_ckpt, tmp_path, loads, capsys):
+def test_ptq_refuses_a_split_group_in_validate(tiny_ckpt, tmp_path, loads, capsys, recipe_with):
     """Before anything is loaded, naming the recipe, the group and the modules on each side; nothing written."""
     from modelopt_ext.cli import main
 
-    path = _split_recipe(tmp_path, [{"quantizer_name": "*self_attn.f_a_proj*", "enable": False}])
+    path = recipe_with([{"quantizer_name": "*self_attn.f_a_proj*", "enable": False}], "nvfp4_experts-fp8_attention")
     model = copy_checkpoint(tiny_ckpt, tmp_path, "src")
     before = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
     capsys.readouterr()
@@ -96,7 +73,7 @@ def own_copy(tiny_ckpt, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", SHIPPED + ["split"])
-def test_states_equal_modelopt_conversion(name, own_copy, tmp_path, config):
+def test_states_equal_modelopt_conversion(name, own_copy, config, recipe_with):
     """For every quantizer of the converted tiny model (every linear, not only the fused groups' members):
     enabled as worked out, with the worked-out bits and blocks."""
     from modelopt.torch.quantization.conversion import replace_quant_module, set_quantizer_by_cfg
@@ -104,9 +81,9 @@ def test_states_equal_modelopt_conversion(name, own_copy, tmp_path, config):
 
     import modelopt_ext
 
-    recipe = _split_recipe(tmp_path, [{"quantizer_name": "*self_attn.g_proj*", "enable": False},
-                                      {"quantizer_name": "*mlp.up_proj.input_quantizer", "cfg": {"num_bits": 8}}]) \
-        if name == "split" else name
+    split = [{"quantizer_name": "*self_attn.g_proj*", "enable": False},
+             {"quantizer_name": "*mlp.up_proj.input_quantizer", "cfg": {"num_bits": 8}}]
+    recipe = recipe_with(split, "nvfp4_experts-fp8_attention") if name == "split" else name
     cfg = R.quant_config(R.load(recipe), config)["quant_cfg"]
     model = modelopt_ext.from_pretrained(own_copy, trust_remote_code=True, dtype=torch.float32)
     replace_quant_module(model)

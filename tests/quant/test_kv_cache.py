@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
-import yaml
 
-from modelopt_ext.families import family_for_config
 from modelopt_ext.quant import recipes as R
 from modelopt_ext.quant.kv_cache import check_kv_cache, enabled_kv_quantizers
 from modelopt_ext.testing.checkpoints import copy_checkpoint
@@ -17,26 +14,6 @@ from modelopt_ext.testing.checkpoints import copy_checkpoint
 SHIPPED = ["kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/fp8_all", "kimi_k3/nvfp4_experts_only",
            "kimi_k3/calibration_free"]
 KV_FP8 = {"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": [4, 3], "axis": None}}
-
-
-@pytest.fixture(scope="module")
-def config(tiny_ckpt):
-    return json.loads((tiny_ckpt / "config.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def serving(config):
-    return family_for_config(config, source="test").serving
-
-
-def _recipe(tmp_path, entries: list, base: str = "fp8_all", imports: dict | None = None):
-    """A shipped recipe with `entries` added before its last two entries (ModelOpt's defaults, the family's)."""
-    data = yaml.safe_load((R.RECIPES_DIR / "kimi_k3" / f"{base}.yaml").read_text())
-    data["quantize"]["quant_cfg"][-2:-2] = entries
-    data["imports"].update(imports or {})
-    path = tmp_path / "kv.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def _check(path, config, serving):
@@ -57,8 +34,8 @@ def test_the_kv_caches_are_the_mla_layers(config, serving):
     assert set(serving.kv_cache.engines) == set(serving.engines)
 
 
-def test_fp8_kv_entry_is_refused_naming_entry_engines_and_alternative(tmp_path, config, serving):
-    path = _recipe(tmp_path, [KV_FP8])
+def test_fp8_kv_entry_is_refused_naming_entry_engines_and_alternative(config, serving, recipe_with):
+    path = recipe_with([KV_FP8], "fp8_all")
     with pytest.raises(ValueError) as err:
         _check(path, config, serving)
     text = str(err.value)
@@ -73,23 +50,24 @@ def test_fp8_kv_entry_is_refused_naming_entry_engines_and_alternative(tmp_path, 
     assert "--kv-cache-dtype fp8_e4m3" in text
 
 
-def test_modelopt_kv_unit_import_and_nvfp4_kv_are_refused(tmp_path, config, serving):
+def test_modelopt_kv_unit_import_and_nvfp4_kv_are_refused(config, serving, recipe_with):
     """ModelOpt's own unit (`configs/ptq/units/kv_fp8`, as its `*-kv_fp8` recipes import it) and an NVFP4 KV."""
-    path = _recipe(tmp_path, [{"$import": "kv_fp8"}], imports={"kv_fp8": "configs/ptq/units/kv_fp8"})
+    path = recipe_with([{"$import": "kv_fp8"}], "fp8_all", imports={"kv_fp8": "configs/ptq/units/kv_fp8"})
     with pytest.raises(ValueError, match=r"kv_fp8.yaml entry \[0\] \(imported by .*quantize.quant_cfg\[3\]\)"):
         _check(path, config, serving)
-    path = _recipe(tmp_path, [{"$import": "kv_nvfp4"}], imports={"kv_nvfp4": "configs/ptq/units/kv_nvfp4"})
+    path = recipe_with([{"$import": "kv_nvfp4"}], "fp8_all", imports={"kv_nvfp4": "configs/ptq/units/kv_nvfp4"})
     with pytest.raises(ValueError, match="quantizes the KV cache"):
         _check(path, config, serving)
 
 
-def test_only_k_or_a_later_disable(tmp_path, config, serving):
+def test_only_k_or_a_later_disable(config, serving, recipe_with):
     only_k = dict(KV_FP8, quantizer_name="*layers.5.self_attn.k_bmm_quantizer")
     with pytest.raises(ValueError, match=r"enables language_model.model.layers.5.self_attn.k_bmm_quantizer\. "):
-        _check(_recipe(tmp_path, [only_k]), config, serving)
+        _check(recipe_with([only_k], "fp8_all"), config, serving)
     # disabled again later (or only under a class that is no attention): nothing to refuse
-    _check(_recipe(tmp_path, [KV_FP8, {"quantizer_name": "*[kv]_bmm_quantizer", "enable": False}]), config, serving)
-    _check(_recipe(tmp_path, [dict(KV_FP8, parent_class="nn.Linear")]), config, serving)
+    disabled_again = [KV_FP8, {"quantizer_name": "*[kv]_bmm_quantizer", "enable": False}]
+    _check(recipe_with(disabled_again, "fp8_all"), config, serving)
+    _check(recipe_with([dict(KV_FP8, parent_class="nn.Linear")], "fp8_all"), config, serving)
 
 
 def test_a_recipe_without_a_catch_all_disable_is_refused(config, serving):
@@ -105,10 +83,10 @@ def test_families_without_kv_facts_or_with_supporting_engines_are_not_checked(co
     check_kv_cache(catch_all, config, dataclasses.replace(serving, kv_cache=supported), "r")
 
 
-def test_ptq_refuses_a_kv_recipe_before_loading_and_writes_nothing(tiny_ckpt, tmp_path, loads, capsys):
+def test_ptq_refuses_a_kv_recipe_before_loading_and_writes_nothing(tiny_ckpt, tmp_path, loads, capsys, recipe_with):
     from modelopt_ext.cli import main
 
-    path = _recipe(tmp_path, [KV_FP8])
+    path = recipe_with([KV_FP8], "fp8_all")
     model = copy_checkpoint(tiny_ckpt, tmp_path, "src")
     before = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
     capsys.readouterr()
