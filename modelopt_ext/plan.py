@@ -54,6 +54,14 @@ def stored_expert_storage(config: Mapping[str, Any]) -> str:
     return "mxfp4" if quant.get("format") == MXFP4_FORMAT else "dense"
 
 
+def unsupported_replicas_message(what: str, ep_size: int, world_size: int) -> str:
+    """Why calibration refuses an EP degree below the world size (EP x data-parallel replicas)."""
+    return (f"{what}: EP degree {ep_size} on {world_size} ranks ({world_size // ep_size} replicas of every expert) is "
+            "not supported: calibration and export assume every rank holds distinct experts (the replicas' "
+            "statistics are not reduced and the export's expert offsets would collide); use an EP degree equal to "
+            f"the world size ({world_size}), or run on {ep_size} ranks")
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -124,6 +132,18 @@ class DistributionPlan:
     dense_total_bytes: int
     reason: str  # why `dense` was chosen
 
+    @property
+    def replicas(self) -> int:
+        """Copies of the experts: world_size / ep_size (1 when every rank holds distinct experts)."""
+        return self.world_size // self.ep_size
+
+    def check_calibration_supported(self, what: str) -> None:
+        """ValueError unless calibration and export can run on this placement: today they assume every rank
+        holds distinct experts (EP degree = world size); with replicas the expert statistics and the export's
+        expert offsets would mix ranks that hold the same experts."""
+        if self.replicas > 1:
+            raise ValueError(unsupported_replicas_message(what, self.ep_size, self.world_size))
+
     def distributed_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of transformers' `DistributedConfig` (the loader adds the replicate tp_plan)."""
         if self.dense == "fsdp":
@@ -155,6 +175,8 @@ class DistributionPlan:
         lines = [
             f"{self.family} on {self.world_size} ranks: EP {self.ep_size}, dense {self.dense}, "
             f"{self.dp_size} distinct batches",
+            *([f"  note: {unsupported_replicas_message('ptq', self.ep_size, self.world_size)}"]
+              if self.replicas > 1 else []),
             f"  experts: {self.num_experts} per MoE layer, {self.experts_per_rank} per rank, "
             f"{self.expert_total_bytes / GB:.1f} GB stored in all",
             f"  dense layers: {self.dense_total_bytes / GB:.1f} GB in all",

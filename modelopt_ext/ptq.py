@@ -194,6 +194,7 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     from modelopt_ext.export.target import check_export_target, resolve_export_dir
     from modelopt_ext.families import family_for_config
     from modelopt_ext.lock import check_remote_code, load_lock
+    from modelopt_ext.plan import unsupported_replicas_message
 
     check_sizes(args)
     # the source and the run's inputs are never in the way of the export: first, before anything is read
@@ -220,6 +221,8 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
             problems.insert(0, "expert parallelism needs an EP degree of at least 2")
         if problems:
             raise ValueError(f"{what} with {world_size} rank(s): " + "; ".join(problems))
+        if ep_size < world_size:
+            raise ValueError(unsupported_replicas_message(what, ep_size, world_size))
     check_experts_per_file(num_experts, ep_size or 1, args.experts_per_file)
     from modelopt_ext.quant import recipes  # ModelOpt's first import, off this stack (quant.modelopt_import)
     from modelopt_ext.quant.data import load_texts

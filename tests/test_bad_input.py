@@ -379,6 +379,22 @@ def test_invalid_ep_degree(ckpt, tmp_path):
     assert not out.exists()
 
 
+def test_ep_below_the_world_size_is_refused_in_validate(ckpt, tmp_path):
+    """--ep 2 on 4 ranks (2 replicas of the experts) loaded, then crashed in calibrate (IndexError); now every rank
+    refuses it in validate, before loading, naming the degree, the world and the fix."""
+    out = tmp_path / "out"
+    argv = ["ptq", "--model", str(ckpt), "--export-dir", str(out), "--no-progress", *FAST, "--ep", "2",
+            "--dense", "fsdp", "--timeout", "60"]
+    runs = launch_nodes(argv, [tmp_path] * 4, env=node_env(tmp_path), timeout_s=300)
+    expected = ("validate: 4 rank(s) failed during validate; rank 0: ValueError: --ep 2: EP degree 2 on 4 ranks "
+                "(2 replicas of every expert) is not supported")
+    for run in runs:
+        errors = run.error_lines(PREFIX)
+        assert not run.timed_out and run.returncode == 1, (run.node, run.stderr[-3000:])
+        assert errors and errors[-1].startswith(PREFIX + expected), (run.node, errors)
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------------------------- non-finite statistics
 
 

@@ -199,6 +199,22 @@ def test_distributed_config_kwargs_for_both_modes():
     assert _plan(world=8, ep_size=2, dense="fsdp").distributed_config_kwargs()["ep_size"] == 2
 
 
+def test_replicas_are_planned_but_refused_for_calibration_and_export():
+    """EP below the world size loads in transformers (the planner places it), but calibration and export assume
+    distinct experts per rank: `check_calibration_supported` refuses it, naming the degree, the world and the fix."""
+    plan = _plan(world=8, ep_size=2, dense="fsdp")
+    assert plan.replicas == 4
+    with pytest.raises(ValueError) as e:
+        plan.check_calibration_supported("calibrate")
+    assert str(e.value).startswith("calibrate: EP degree 2 on 8 ranks (4 replicas of every expert) is not supported")
+    assert "use an EP degree equal to the world size (8), or run on 2 ranks" in str(e.value)
+    assert "note: ptq: EP degree 2 on 8 ranks" in plan.summary()
+    single = _plan(world=8, dense="fsdp")
+    assert single.replicas == 1
+    single.check_calibration_supported("calibrate")
+    assert "note:" not in single.summary()
+
+
 def test_kwargs_build_a_transformers_distributed_config():
     from transformers.distributed import DistributedConfig
 

@@ -94,6 +94,8 @@ def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | Non
             f"the routed experts of layers {unquantized} ({layers}.*.{suffix}) are not quantized by the recipe; the "
             "per-rank exporter writes quantized experts only (keep them MXFP4 in the source checkpoint instead)")
     plan = getattr(model, "modelopt_ext_plan", None)
+    if plan is not None:
+        plan.check_calibration_supported("export")
     ep_size = plan.ep_size if plan is not None else 1
     per_file = check_experts_per_file(local * ep_size, ep_size, experts_per_file)
     return ExportFiles(layers, len(container), moe, suffix, local * ep_size, per_file)

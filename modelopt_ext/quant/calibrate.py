@@ -151,6 +151,9 @@ def calibrate(
 
     if uncovered not in POLICIES:
         raise ValueError(f"uncovered-experts policy {uncovered!r} is not one of {POLICIES}")
+    plan = getattr(model, "modelopt_ext_plan", None)
+    if plan is not None:
+        plan.check_calibration_supported("calibrate")
     cfg = dict(quant_cfg)
     # a weight search (mse, local_hessian) runs after the amax sync, on synced amax (quant/search.py)
     cfg["algorithm"], search = split_algorithm(calibration_algorithm(cfg.get("algorithm", "max")))

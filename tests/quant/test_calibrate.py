@@ -164,3 +164,18 @@ def test_histogram_calibrator_is_refused_before_calibration(tiny_ckpt, tmp_path)
                        r"'\*input_quantizer': cfg.calibrator is 'histogram'; modelopt_ext calibrates with ModelOpt's "
                        r"max calibrator only"):
         calibrate(model, cfg, [], router_glob=families()["kimi_k3"].router_glob, num_experts=16)
+
+
+def test_replicas_are_refused_before_anything_is_converted():
+    """A model loaded with an EP degree below the world size (through the library, not ptq) is refused by
+    `calibrate` itself, naming the degree and the world, before ModelOpt converts anything."""
+    from modelopt_ext.models.kimi_k3.sizes import BUNDLED_CONFIG
+    from modelopt_ext.plan import resolve_distribution_plan
+
+    config = __import__("json").loads(BUNDLED_CONFIG.read_text())
+    model = torch.nn.Linear(4, 4)
+    model.modelopt_ext_plan = resolve_distribution_plan(config, 128, ep_size=64, dense="fsdp",
+                                                        device_memory_bytes=10**15)
+    with pytest.raises(ValueError, match=r"^calibrate: EP degree 64 on 128 ranks \(2 replicas of every expert\)"):
+        calibrate(model, {"quant_cfg": [], "algorithm": "max"}, [], router_glob="*.gate", num_experts=896)
+    assert type(model.weight) is torch.nn.Parameter and not any(True for _ in model.children())
