@@ -95,6 +95,29 @@ def _add_plan(sub) -> None:
     p.add_argument("--device-memory-gib", type=float, default=None, help="memory of one device (default: detected)")
     p.add_argument("--tokens-per-rank", type=int, default=4096, help="calibration tokens per rank and batch")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    from modelopt_ext.predict import (
+        DEFAULT_CALIB_TOKENS,
+        DEFAULT_GPUS_PER_NODE,
+        DEFAULT_INTERCONNECT_GBPS,
+        DEFAULT_NVLINK_GBPS,
+    )
+
+    g = p.add_argument_group("prediction (docs/scaling.md; any of these options turns it on)")
+    g.add_argument("--predict", action="store_true",
+                   help="also predict the ptq job: load, calibration, export, total and peak memory per GPU, each "
+                        "from a GPU measurement (the family's bundled one unless --measurement)")
+    g.add_argument("--measurement", metavar="PATH", default=None,
+                   help="measurement JSON of scripts/bench_rank_share.py (default: the one bundled with the family)")
+    g.add_argument("--calib-tokens", type=int, default=None, metavar="N",
+                   help=f"calibration tokens over all ranks (default {DEFAULT_CALIB_TOKENS} = 128 x 2048)")
+    g.add_argument("--interconnect-gbps", type=float, default=None, metavar="GB/s",
+                   help="inter-node bandwidth per GPU in gigaBYTES per second (default "
+                        f"{DEFAULT_INTERCONNECT_GBPS:g}: 400 Gb/s InfiniBand NDR, one NIC per GPU)")
+    g.add_argument("--nvlink-gbps", type=float, default=None, metavar="GB/s",
+                   help="NVLink all-to-all bandwidth per GPU in gigaBYTES per second (default "
+                        f"{DEFAULT_NVLINK_GBPS:g}: NCCL all_to_all_single measured on 2 x H200, docs/performance.md)")
+    g.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                   help=f"GPUs per node, the NVLink domain (default {DEFAULT_GPUS_PER_NODE})")
 
 
 def _run_plan(args) -> int:
@@ -109,15 +132,48 @@ def _run_plan(args) -> int:
         tokens_per_rank=args.tokens_per_rank,
     )
     blocks = _fp8_block_lines(config)
+    prediction = _predict(config, plan, args)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "fp8_blocks": blocks}, indent=2))
+        extra = {} if prediction is None else {"prediction": prediction.to_dict()}
+        print(json.dumps({**plan.to_dict(), "fp8_blocks": blocks, **extra}, indent=2))
     else:
         print(plan.summary())
         if blocks:
             print("FP8 128x128 blocks of fused groups (default recipe; exported at the logical shape with one scale "
                   "per started block, the engine pads: docs/export.md):")
             print("\n".join(f"  {line}" for line in blocks))
+        if prediction is not None:
+            print("\n".join(prediction.lines()))
     return 0
+
+
+def _predict(config, plan, args):
+    """The predicted job (modelopt_ext/predict.py) when --predict or one of its options was given, else None."""
+    from modelopt_ext import predict
+
+    options = (args.measurement, args.calib_tokens, args.interconnect_gbps, args.nvlink_gbps, args.gpus_per_node)
+    if not args.predict and all(o is None for o in options):
+        return None
+    from modelopt_ext.families import family_for_config
+
+    family = family_for_config(config, source="config")
+    if args.measurement is not None:
+        measurement, source = predict.load_measurement(args.measurement), args.measurement
+    else:
+        bundled = family.prediction.measurement if family.prediction is not None else None
+        if bundled is not None and bundled.is_file():
+            measurement, source = predict.load_measurement(bundled), f"bundled {bundled.name}"
+        else:
+            where = f" (expected at {bundled})" if bundled is not None else ""
+            measurement, source = None, f"no measurement bundled{where}; pass --measurement PATH"
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return predict.predict_job(
+        config, plan, measurement, measurement_source=source, family=family,
+        calib_tokens=pick(args.calib_tokens, predict.DEFAULT_CALIB_TOKENS),
+        interconnect_gbps=pick(args.interconnect_gbps, predict.DEFAULT_INTERCONNECT_GBPS),
+        nvlink_gbps=pick(args.nvlink_gbps, predict.DEFAULT_NVLINK_GBPS),
+        gpus_per_node=pick(args.gpus_per_node, predict.DEFAULT_GPUS_PER_NODE),
+    )
 
 
 def _fp8_block_lines(config) -> list[str]:

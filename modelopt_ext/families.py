@@ -63,6 +63,26 @@ class KVCacheServing:
 
 
 @dataclasses.dataclass(frozen=True)
+class PredictionSpec:
+    """What `modelopt-ext plan --predict` needs of a family to predict a job's time (modelopt_ext/predict.py).
+
+    Attributes:
+        measurement: the bundled per-GPU measurement JSON (scripts/bench_rank_share.py writes it); it may be
+            absent, and the prediction then says so.
+        layer_kinds: `layer_kinds(config_json_mapping)` -> measured kind ("dense_kda", "moe_mla", ...; the
+            keys of the measurement's "layers" section) -> how many times the model runs it per token; a
+            kind run once per model (embeddings and head) counts 1.
+        dense_export_bytes: `dense_export_bytes(config_json_mapping, recipe)` -> {"outside_layers": bytes of
+            the export file of everything outside the decoder layers, "layers": bytes of each decoder layer's
+            dense file} as the recipe (a name or path for `quant.recipes.load`) exports them.
+    """
+
+    measurement: Path | None
+    layer_kinds: Callable[[Mapping[str, Any]], Mapping[str, int]]
+    dense_export_bytes: Callable[[Mapping[str, Any], str], Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """Everything modelopt_ext knows about one model family.
 
@@ -88,6 +108,7 @@ class FamilySpec:
         check_config: `check_config(config_json_mapping, source)` raises ValueError naming every key the
             family's code needs and lacks, or value it does not implement; run by `family_for_config`.
         serving: how the serving engines build the model (fused groups, names), if known.
+        prediction: what `plan --predict` needs (bundled measurement, layer kinds, export bytes), if known.
     """
 
     name: str
@@ -108,6 +129,7 @@ class FamilySpec:
     export_expert_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     check_config: Callable[[Mapping[str, Any], str], None] | None = None
     serving: ServingSpec | None = None
+    prediction: PredictionSpec | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))

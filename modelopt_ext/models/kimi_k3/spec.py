@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from modelopt_ext.families import FamilySpec, ServingSpec, register_family
+from modelopt_ext.families import FamilySpec, PredictionSpec, ServingSpec, register_family
 
-from . import serving
+from . import prediction, serving
 from .config_check import check_config
 from .convert import expert_converters
 from .sizes import BUNDLED_CONFIG, plan_sizes
@@ -97,6 +97,11 @@ KIMI_K3 = register_family(
             layer_aliases=serving.layer_aliases,
             linear_shape=serving.linear_shape,
             kv_cache=serving.KV_CACHE,
+        ),
+        prediction=PredictionSpec(
+            measurement=prediction.MEASUREMENT,
+            layer_kinds=prediction.layer_kinds,
+            dense_export_bytes=prediction.dense_export_bytes,
         ),
     )
 )
