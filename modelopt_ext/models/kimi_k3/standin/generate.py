@@ -7,10 +7,16 @@ are stored MXFP4 (`weight_packed` / `weight_scale`), everything else bf16, excep
 parameters and router bias. Values depend only on (seed, tensor name): the same seed gives
 byte-identical files. `fit_steps` > 0 (`--fit N`) first fits those values to the embedded corpus (`fit.py`);
 the same (seed, steps, sizes) again gives byte-identical files.
+
+For benchmarks at real widths (`scripts/bench_rank_share.py`): `text_overrides` sets text_config fields the
+sizes do not cover (the real attention shapes, dense MLP width, shared experts), and `workers` / `quantize_device`
+compute the values on threads and quantize the experts on a GPU. Neither changes a byte: every tensor's values
+come from its own generator, and MXFP4 quantization is exact integer and power-of-two arithmetic on any device.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -19,7 +25,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -89,8 +97,32 @@ class TinySizes:
             raise ValueError(f"vocab_size={self.vocab_size} is below the tokenizer minimum {tok.MIN_VOCAB_SIZE}")
 
 
-def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
-    """The stand-in's KimiK3Config: real field names and structure, tiny sizes."""
+# text_config fields `TinySizes` owns (or the layer schedule derives from): not settable by `text_overrides`.
+SIZES_OWN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_token",
+             "moe_intermediate_size", "routed_expert_hidden_size")
+
+
+def _apply_text_overrides(text: dict, overrides: Mapping[str, Any]) -> None:
+    """`text` updated by `overrides` (`linear_attn_config` merged key by key, without its layer lists); refuses
+    the fields `TinySizes` owns and values that are not positive where a size is meant."""
+    for key, value in overrides.items():
+        if key in SIZES_OWN:
+            raise ValueError(f"text_overrides[{key!r}]: set it through TinySizes, not text_overrides")
+        if key == "linear_attn_config":
+            if not isinstance(value, Mapping) or {"kda_layers", "full_attn_layers"} & set(value):
+                raise ValueError(f"text_overrides['linear_attn_config'] must be a mapping without the layer lists, "
+                                 f"got {value!r}")
+            text[key] = {**text[key], **value}
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(f"text_overrides[{key!r}]={value} must be positive")
+        text[key] = value
+
+
+def build_config(sizes: TinySizes, special_ids: dict[str, int],
+                 text_overrides: Mapping[str, Any] | None = None) -> KimiK3Config:
+    """The stand-in's KimiK3Config: real field names and structure, tiny sizes (`text_overrides`: more
+    text_config fields, e.g. Kimi-K3's real attention shapes; see `_apply_text_overrides`)."""
     n = sizes.num_layers
     full = list(range(3, n + 1, 3)) or [n]
     text = dict(
@@ -127,6 +159,8 @@ def build_config(sizes: TinySizes, special_ids: dict[str, int]) -> KimiK3Config:
             "gate_lower_bound": -5.0,
         },
     )
+    if text_overrides:
+        _apply_text_overrides(text, text_overrides)
     text["architectures"] = ["KimiLinearForCausalLM"]
     text["auto_map"] = {
         "AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
@@ -227,26 +261,51 @@ def _values(name: str, shape: torch.Size, seed: int, config: KimiK3Config) -> to
     return randn * fan_in**-0.5
 
 
-def initial_values(config: KimiK3Config, seed: int) -> dict[str, torch.Tensor]:
-    """The random fp32 value of every parameter, keyed as the model's state dict, in sorted key order."""
+def _map(fn, items: list, workers: int) -> list:
+    """`[fn(*item) for item in items]`, on `workers` threads when more than 1 (torch releases the GIL)."""
+    if workers <= 1:
+        return [fn(*item) for item in items]
+    threads = torch.get_num_threads()
+    try:  # one intra-op thread per worker: `workers` OpenMP teams of all cores would oversubscribe them
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="make-tiny",
+                                                   initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            return list(pool.map(lambda item: fn(*item), items))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def initial_values(config: KimiK3Config, seed: int, workers: int = 1) -> dict[str, torch.Tensor]:
+    """The random fp32 value of every parameter, keyed as the model's state dict, in sorted key order
+    (`workers` threads: the same values, each tensor has its own generator)."""
     with torch.device("meta"):
         model = KimiK3ForConditionalGeneration(config)
-    return {name: _values(name, param.shape, seed, config) for name, param in sorted(model.state_dict().items())}
+    shapes = sorted((name, param.shape) for name, param in model.state_dict().items())
+    values = _map(lambda name, shape: _values(name, shape, seed, config), shapes, workers)
+    return {name: value for (name, _), value in zip(shapes, values)}
 
 
-def pack_state_dict(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _pack_one(name: str, value: torch.Tensor, device: torch.device | None) -> dict[str, torch.Tensor]:
+    if EXPERT_KEY.search(name):
+        packed, scale = quantize_mxfp4(value if device is None else value.to(device))
+        stem = name[: -len("weight")]
+        return {stem + "weight_packed": packed.cpu(), stem + "weight_scale": scale.cpu()}
+    if FP32_KEYS.search(name):
+        return {name: value.contiguous()}
+    return {name: value.to(torch.bfloat16)}
+
+
+def pack_state_dict(values: dict[str, torch.Tensor], workers: int = 1,
+                    quantize_device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint tensors from fp32 values, keyed and typed as the real checkpoint stores them: routed experts
-    MXFP4 (`weight_packed` / `weight_scale`), the KDA parameters and router bias fp32, the rest bf16."""
+    MXFP4 (`weight_packed` / `weight_scale`), the KDA parameters and router bias fp32, the rest bf16.
+    `workers` threads and `quantize_device` (the experts quantized there, e.g. "cuda") give the same bytes."""
+    device = None if quantize_device is None else torch.device(quantize_device)
+    if device is not None and device.type == "cpu":
+        device = None
+    items = sorted(values.items())
     state = {}
-    for name, value in sorted(values.items()):
-        if EXPERT_KEY.search(name):
-            packed, scale = quantize_mxfp4(value)
-            stem = name[: -len("weight")]
-            state[stem + "weight_packed"], state[stem + "weight_scale"] = packed, scale
-        elif FP32_KEYS.search(name):
-            state[name] = value.contiguous()
-        else:
-            state[name] = value.to(torch.bfloat16)
+    for part in _map(lambda name, value: _pack_one(name, value, device), items, 1 if device else workers):
+        state.update(part)
     return state
 
 
@@ -292,16 +351,23 @@ def _prepare_out_dir(out_dir: Path, force: bool) -> None:
 
 
 def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes(), force: bool = False,
-              fit_steps: int = 0) -> Path:
+              fit_steps: int = 0, *, text_overrides: Mapping[str, Any] | None = None, workers: int = 1,
+              quantize_device: str | torch.device | None = None) -> Path:
     """Write the stand-in checkpoint into `out_dir` (built in a temporary sibling, then moved in place).
 
     With `fit_steps` > 0 the random weights are first fitted to the embedded corpus for that many optimizer
     steps (`fit.fit_values`), then stored exactly as random ones; 0 writes the random stand-in.
+    `text_overrides` sets more text_config fields (`build_config`); `workers` (threads) and `quantize_device`
+    only make generation faster (same bytes; see the module doc).
 
     Raises ValueError for sizes the format cannot hold and FileExistsError for a non-empty `out_dir`
     without `force`; in both cases nothing is written.
     """
     sizes.validate()
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be at least 1")
+    if text_overrides:
+        _apply_text_overrides({"linear_attn_config": {}}, text_overrides)  # refuse bad overrides before writing
     if fit_steps < 0:
         raise ValueError(f"fit_steps={fit_steps} must be at least 0")
     out_dir = Path(out_dir).resolve()  # "." or "x/.." must not make the temp dir live inside the target
@@ -313,7 +379,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes()
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint should read like any other folder
     try:
         special_ids = tok.write_tokenizer(tmp, sizes.vocab_size)
-        config = build_config(sizes, special_ids)
+        config = build_config(sizes, special_ids, text_overrides)
         config_dict = with_public_generic_fields(config.to_dict())
         config_dict["text_config"]["quantization_config"] = quantization_config()  # where the real one keeps it
         _write_json(tmp / "config.json", config_dict)
@@ -326,12 +392,12 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes()
         for fname in REMOTE_CODE_FILES:
             shutil.copyfile(STANDIN_DIR / fname, tmp / fname)
         logger.info("generating tiny kimi_k3 weights (seed %d, %s)", seed, sizes)
-        values = initial_values(config, seed)
+        values = initial_values(config, seed, workers)
         if fit_steps:
             from .fit import fit_values
 
             values = fit_values(config, values, tmp, fit_steps, seed).values
-        write_shards(tmp, pack_state_dict(values), sizes.num_layers)
+        write_shards(tmp, pack_state_dict(values, workers, quantize_device), sizes.num_layers)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
