@@ -268,6 +268,10 @@ def _add_ptq(sub) -> None:
                    help="recipe override, e.g. quantize.algorithm.method=max (repeatable)")
     p.add_argument("--export-dir", "--export_path", dest="export_dir", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty export dir")
+    p.add_argument("--resume", action="store_true",
+                   help="export from the calibration state an earlier run of the same arguments saved beside the "
+                   "export dir (.NAME.calibration/), without the forward passes; refused, naming what changed, if "
+                   "the arguments, checkpoint, world size or EP degree differ (docs/ptq.md, 'Resume')")
     p.add_argument("--calib-size", "--calib_size", dest="calib_size", type=int, default=512, metavar="N",
                    help="calibration blocks of --seq-len tokens, over all ranks (default 512)")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=4, metavar="N",

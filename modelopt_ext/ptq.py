@@ -16,9 +16,12 @@ Phases, each timed, run on every rank in step:
   thread started at the end of validate, so it overlaps the load; cut to the same count on every rank: EP
   forwards are collective), `calibrate`. The recipe's patterns are checked against
   the quantized model after the first batch rather than after the whole run.
+  Then each rank saves its calibration state beside the export dir (`quant.resume`); with `--resume` the
+  phase restores that state instead of running the forward passes.
 - export: `export_checkpoint`, with the expert coverage (coverage.json, coverage.png) added to the export.
 - engines: the serving engines' loading rules on the published export (`export.engines`, as `modelopt-ext
   verify --engine`; `--engine` picks the engines, default all); a broken rule fails the run, the export stays.
+  Once they pass, the saved calibration state is removed (kept when the export or the engines failed).
 - summary: per-rank figures gathered to every rank (`PtqSummary`, with a verdict per engine), logged on rank 0.
 
 Under torch.distributed each phase runs inside `dist.all_or_fail`, so every rank fails together; a failure
@@ -34,6 +37,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -89,6 +93,16 @@ class Inputs:
 
 
 @dataclasses.dataclass
+class _State:
+    """Where this rank keeps its calibration state, the header a state of this run holds (`quant.resume`), and
+    with --resume the saved header it exports from."""
+
+    directory: Path
+    header: dict[str, Any]
+    saved: dict[str, Any] | None
+
+
+@dataclasses.dataclass
 class PtqSummary:
     """Figures of one run, the same on every rank; lists hold one value per rank."""
 
@@ -110,6 +124,7 @@ class PtqSummary:
     # serving engine -> whether the export passed every rule of `modelopt-ext verify --engine` for it
     engines: dict[str, bool] = dataclasses.field(default_factory=dict)
     quality: list[str] = dataclasses.field(default_factory=list)  # quant.quality.summary_lines (--quality-blocks)
+    resumed: str | None = None  # --resume: the calibration state dir the run exported from (no forward pass)
     rank: int = dataclasses.field(default=0, compare=False)  # the rank holding this copy
 
     @property
@@ -139,11 +154,15 @@ class PtqSummary:
     def lines(self) -> list[str]:
         ep = f"EP {self.ep_size}" if self.ep_size else "no EP"
         times = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
+        calibration = (f"calibration: {self.calib_tokens:,} tokens, {self.tokens_per_s:,.0f} tokens/s "
+                       f"(forward loop {self.forward_tokens_per_s:,.0f} tokens/s)")
+        if self.resumed:
+            calibration = (f"calibration: {self.calib_tokens:,} tokens, restored from {self.resumed} (saved by an "
+                           "earlier run; no forward pass)")
         lines = [
             f"exported {self.export_dir} (recipe {self.recipe}; {self.world_size} rank(s), {ep})",
             f"time: {times}; total {sum(self.seconds.values()):.1f} s",
-            f"calibration: {self.calib_tokens:,} tokens, {self.tokens_per_s:,.0f} tokens/s "
-            f"(forward loop {self.forward_tokens_per_s:,.0f} tokens/s)",
+            calibration,
         ]
         for r in range(self.world_size):
             device = self.peak_device_bytes[r]
@@ -278,6 +297,7 @@ class _Run:
         self.seconds: dict[str, float] = {}
         self.current = "validate"  # the phase running now
         self.watch = contextlib.ExitStack()  # the FailureWatch, once in a process group
+        self.state: _State | None = None  # the calibration state's place and header (quant/resume.py)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -309,26 +329,35 @@ class _Run:
             )
             if self.distributed:
                 self._agree_on_inputs(inputs)
+            self.state = self._check_state(inputs)
+        resuming = self.state.saved is not None
         # this rank's batches are tokenized while the model loads; leaving the block waits for the thread,
         # so a failed load leaves no thread behind (tokenizing is local work of seconds)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptq-tokenize") as pool:
-            tokenizing = pool.submit(self._batches, inputs)
+            tokenizing = None if resuming else pool.submit(self._batches, inputs)
             with self.phase("load"):
                 model = all_or_fail("load", self._load)
             with self.phase("calibrate"):
-                result, tokens = self._calibrate(model, inputs, tokenizing)
+                if resuming:
+                    result, tokens = self._restore(model, inputs)
+                else:
+                    result, tokens = self._calibrate(model, inputs, tokenizing)
+                    self._save_state(result, tokens)
         quality = None
-        if getattr(a, "quality_blocks", 0):
-            with self.phase("quality"):
-                quality = self._quality(result, inputs)
-        with self.phase("export"):
-            calibrated = sum(gather_objects(tokens))  # every rank's, for the export's provenance
-            export = all_or_fail("export", lambda: self._export(result, inputs, calibrated, quality))
-        with self.phase("engines"):
-            engines = self._check_engines(inputs, export.export_dir)
+        with self._keeping_state():
+            if getattr(a, "quality_blocks", 0):
+                with self.phase("quality"):
+                    quality = self._quality(result, inputs)
+            with self.phase("export"):
+                calibrated = sum(gather_objects(tokens))  # every rank's, for the export's provenance
+                export = all_or_fail("export", lambda: self._export(result, inputs, calibrated, quality))
+            with self.phase("engines"):
+                engines = self._check_engines(inputs, export.export_dir)
+                self._drop_state()
         with self.phase("summary"):
             summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line(), result.seconds)
             summary.engines = engines
+            summary.resumed = str(self.state.directory) if resuming else None
             if quality is not None:
                 from modelopt_ext.quant.quality import summary_lines
 
@@ -360,6 +389,97 @@ class _Run:
         finally:
             if self.rank == 0:
                 target.remove_probe(inputs.export_dir, name)
+
+    def _check_state(self, inputs: Inputs) -> _State:
+        """The calibration state's dir (`quant.resume`) passes the export target's checks; with --resume, this
+        rank's saved state must be complete and from a run of this configuration (every rank refuses
+        together, naming what changed); the ranks' states must come from one run."""
+        from modelopt_ext.quant import resume
+
+        a = self.args
+        directory = resume.state_dir(inputs.export_dir)
+        files = {"--dataset": a.dataset, "--summary-json": a.summary_json, "--recipe": inputs.recipe.path,
+                 "the remote-code lock": inputs.lock}
+
+        def check():
+            resume.check_location(directory, a.model, files)
+            header = resume.expected_header(a, recipe=inputs.recipe, lock=inputs.lock, rank=self.rank,
+                                            world_size=self.world_size, ep_size=self.ep_size)
+            saved = resume.check_saved(directory, header) if getattr(a, "resume", False) else None
+            return header, saved, resume.saved_exists(directory, self.rank)
+
+        header, saved, exists = all_or_fail("validate", check)
+        runs = gather_objects(saved["run"] if saved else secrets.token_hex(8))
+        if saved and len(set(runs)) > 1:
+            raise ValueError(f"--resume: the ranks' calibration states in {directory} were saved by different runs "
+                             f"({dict(enumerate(runs))}); run without --resume")
+        header["run"] = runs[0]
+        if self.rank == 0 and saved:
+            logger.info("--resume: exporting from the calibration state in %s (run %s; no forward pass)", directory,
+                        runs[0])
+        elif self.rank == 0 and exists:
+            logger.info("the calibration state an earlier run saved in %s is replaced once this run has calibrated",
+                        directory)
+        return _State(directory, header, saved)
+
+    def _save_state(self, result, tokens: int) -> None:
+        """Every rank saves its calibration state (`quant.resume.save_state`). A failure is a warning on every
+        rank, not the run's: the state only serves a later --resume."""
+        from modelopt_ext.quant import resume
+
+        state = self.state
+        try:
+            sizes = all_or_fail("calibrate", lambda: resume.save_state(state.directory, state.header, result, tokens))
+        except Exception as e:  # noqa: BLE001 - the export does not need it
+            logger.warning("the calibration state was not saved in %s (%s); --resume will not find it",
+                           state.directory, e)
+            logger.debug("saving the calibration state failed", exc_info=True)
+            with contextlib.suppress(OSError):  # no half-written state of this rank
+                resume.remove_state(state.directory, self.rank, keep_dir=True)
+            return
+        if self.rank == 0:
+            logger.info("saved the calibration state in %s (%s over %d rank(s)): `ptq --resume` with the same "
+                        "arguments exports from it without calibrating", state.directory,
+                        format_bytes(sum(gather_objects(sizes))), self.world_size)
+        else:
+            gather_objects(sizes)
+
+    def _restore(self, model, inputs: Inputs):
+        """--resume: ModelOpt's conversion with the recipe's config, then the saved calibration state."""
+        from modelopt_ext.quant import recipes, resume
+
+        state = self.state
+        return all_or_fail("calibrate", lambda: resume.restore(
+            model, recipes.quant_config(inputs.recipe, model.config), state.directory, state.saved))
+
+    @contextlib.contextmanager
+    def _keeping_state(self):
+        """A failure from here to the engines' verdict (SIGTERM included) keeps the saved state; rank 0 says so."""
+        try:
+            yield
+        except BaseException:
+            if self.rank == 0 and self.state is not None and self.state.directory.is_dir():
+                logger.warning("the calibration state in %s is kept: `ptq --resume` with the same arguments exports "
+                               "from it without calibrating", self.state.directory)
+            raise
+
+    def _drop_state(self) -> None:
+        """The export is published and passed the engines' rules: every rank removes its saved state (rank 0
+        last, with the dir). Failing to is a warning."""
+        from modelopt_ext.quant import resume
+
+        directory = self.state.directory
+        if self.rank != 0:
+            with contextlib.suppress(OSError):
+                resume.remove_state(directory, self.rank)
+        gather_objects(None)  # every other rank's files are gone before rank 0 removes the dir
+        if self.rank == 0 and directory.exists():
+            try:
+                resume.remove_state(directory, 0)
+            except OSError as e:
+                logger.warning("could not remove the calibration state %s: %s", directory, e)
+            else:
+                logger.info("removed the calibration state %s: the export is published", directory)
 
     def _join(self) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 or self.args.ep is not None or dist.is_initialized():
