@@ -26,6 +26,7 @@ from typing import Any
 
 from modelopt_ext.export.layout import MAX_HEADER_BYTES, _check_layout
 from modelopt_ext.families import read_config, source_quantization_config
+from modelopt_ext.lock import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -328,17 +329,6 @@ def check_tokenizer_files(model_dir: str | Path) -> None:
 # ----------------------------------------------------------------------------------------------------
 # fingerprint
 
-_CHUNK = 1 << 20
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with file.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _shard_fingerprint(file: Path) -> str:
     size = file.stat().st_size
     with file.open("rb") as f:
@@ -388,7 +378,7 @@ def checkpoint_fingerprint(model_dir: str | Path) -> dict[str, str]:
             named_by = f" (named by {', '.join(indexes)})" if name in shards and indexes else ""
             raise CheckpointFilesError(f"{file} is missing{named_by}: cannot fingerprint the checkpoint")
         try:
-            fingerprint[name] = _shard_fingerprint(file) if name in shards else f"sha256:{_sha256(file)}"
+            fingerprint[name] = _shard_fingerprint(file) if name in shards else f"sha256:{sha256_file(file)}"
         except OSError as e:
             raise CheckpointFilesError(f"{file} is unreadable: {e.strerror or e}") from e
     logger.debug("checkpoint %s: fingerprinted %d files", path, len(fingerprint))

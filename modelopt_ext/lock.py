@@ -24,7 +24,12 @@ class RemoteCodeLock:
 
 
 def sha256_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """sha256 hex digest of a file, read in 1 MiB chunks (shards are gigabytes)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def remote_code_files(checkpoint: Path) -> dict[str, str]:

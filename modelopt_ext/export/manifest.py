@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Mapping
+
+from modelopt_ext.lock import sha256_file
 
 MANIFEST_NAME = "MANIFEST.sha256"
 _MANIFEST_LINE = re.compile(r"^([0-9a-f]{64})  (.+)$")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def file_digests(export_dir: Path) -> dict[str, str]:
-    """sha256 of every file under ``export_dir`` but the manifest, by POSIX path relative to it."""
-    return {
-        p.relative_to(export_dir).as_posix(): _sha256(p)
-        for p in sorted(export_dir.rglob("*"))
-        if p.is_file() and p.relative_to(export_dir).as_posix() != MANIFEST_NAME
-    }
+def file_digests(export_dir: Path, known: Mapping[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every file under ``export_dir`` but the manifest, by POSIX path relative to it; a file named
+    in ``known`` (relative path -> sha256, e.g. worked out by the rank that wrote it) is not read again."""
+    known = known or {}
+    digests = {}
+    for p in sorted(export_dir.rglob("*")):
+        name = p.relative_to(export_dir).as_posix()
+        if p.is_file() and name != MANIFEST_NAME:
+            digests[name] = known[name] if name in known else sha256_file(p)
+    return digests
 
 
 def _check_manifest(path: Path, digests: Mapping[str, str], problems: list[str]) -> bool:

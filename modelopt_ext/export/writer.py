@@ -20,6 +20,7 @@ Unquantized tensors keep the source checkpoint's dtype and bytes (a model loaded
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import json
@@ -55,6 +56,7 @@ from modelopt_ext.export.staging import (
 )
 from modelopt_ext.export.target import ExportDirError, check_export_dir
 from modelopt_ext.families import FamilySpec, experts_module_glob, family_for_config, read_config
+from modelopt_ext.lock import sha256_file
 
 logger = logging.getLogger(__name__)
 __all__ = ["ExportDirError", "ExportResult", "check_export_dir", "export_checkpoint"]
@@ -185,6 +187,8 @@ class _UnitExporter:
         self.tied = set(tied) if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
         self.names = dict(family.export_expert_names)
         self.written: dict[str, str] = {}
+        self.hashing: dict[str, concurrent.futures.Future] = {}  # file -> its sha256, worked out on `hasher`
+        self.hasher: concurrent.futures.Executor | None = None
         self.bytes_written = 0
         self.exact = 0
         self.requantized: list[str] = []
@@ -281,6 +285,10 @@ class _UnitExporter:
             value = value.to(source)  # an unquantized tensor of a model loaded in another precision
         return key, value
 
+    def digests(self) -> dict[str, str]:
+        """file -> sha256 of every file this rank wrote (waits for the hashing thread)."""
+        return {file: future.result() for file, future in self.hashing.items()}
+
     def _writes(self, unit: _Unit, file: str) -> bool:
         if unit.layer is not None and file != self.files.dense_file(unit.layer):
             return True  # an experts block: only its holder produced it
@@ -295,6 +303,8 @@ class _UnitExporter:
             seen.add(t.data_ptr())
             out[key] = t
         save_file(out, str(self.staging / file), metadata={"format": "pt"})
+        if self.hasher is not None:  # read back while in the page cache, overlapped with the next unit
+            self.hashing[file] = self.hasher.submit(sha256_file, self.staging / file)
         for key, t in out.items():
             self.written[key] = file
             self.bytes_written += t.numel() * t.element_size()
@@ -312,7 +322,10 @@ def exported_config(source: dict, quantization_config: dict) -> dict:
 
 
 def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
-              quant_config: dict, modelopt_config: dict, api, write_extra) -> tuple[int, int]:
+              quant_config: dict, modelopt_config: dict, api, write_extra,
+              digests: dict[str, str]) -> tuple[int, int]:
+    """Rank 0: index, configs, copied source files, extra files, then the manifest (`digests`: sha256 of the
+    tensor files, worked out by the ranks that wrote them)."""
     weight_map: dict[str, str] = {}
     for rank, part in enumerate(maps):
         for key, file in part.items():
@@ -336,7 +349,7 @@ def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[di
     if write_extra is not None:
         write_extra(staging)
     drop_owner(staging)
-    _write_manifest(staging, file_digests(staging))
+    _write_manifest(staging, file_digests(staging, known=digests))
     return len(weight_map), total
 
 
@@ -396,17 +409,22 @@ def export_checkpoint(
             exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank,
                                      world, expert_input_scales)
             units = _units(model, files)
-            for i, unit in enumerate(units):
-                what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
-                all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
-                if progress is not None:
-                    progress(i + 1, len(units))
+            # each rank hashes the files it wrote for the manifest, on a thread while it exports the next unit;
+            # rank 0 then reads only the files it writes in finalization (before: it re-read the whole export)
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="export-sha256") as exporter.hasher:
+                for i, unit in enumerate(units):
+                    what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
+                    all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
+                    if progress is not None:
+                        progress(i + 1, len(units))
+                digests = {k: v for part in gather_objects(all_or_fail("export hashing", exporter.digests))
+                           for k, v in part.items()}
             maps = gather_objects(exporter.written)
             written = tuple(gather_objects(exporter.bytes_written))
             casts = gather_objects((exporter.exact, exporter.requantized))
             inputs = gather_objects((exporter.inputs_own, exporter.inputs_shared))
             result = all_or_fail("export finalization", lambda: _finalize(
-                staging, source_dir, files, maps, quant_config, modelopt_config, api, write_extra)
+                staging, source_dir, files, maps, quant_config, modelopt_config, api, write_extra, digests)
                 if rank == 0 else None)
             tensors, total = gather_objects(result)[0]
             warnings = all_or_fail("export publishing",

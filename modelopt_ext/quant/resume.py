@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelopt_ext.lock import sha256_file
+
 logger = logging.getLogger(__name__)
 
 STATE_SUFFIX = ".calibration"  # `.NAME.calibration` beside the export dir NAME
@@ -81,14 +83,6 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def expected_header(args, *, recipe, lock: Path, rank: int, world_size: int, ep_size: int | None) -> dict[str, Any]:
     """What a state saved by this run holds besides its tensors (and what a resumed run must find)."""
     from modelopt_ext.fingerprint import input_fingerprint
@@ -98,9 +92,9 @@ def expected_header(args, *, recipe, lock: Path, rank: int, world_size: int, ep_
     prefix = f"--model {Path(args.model)}/"
     checkpoint = {name.removeprefix(prefix): value for name, value in input_fingerprint(args.model, {}).items()}
     resolved = json.loads(json.dumps(dict(recipe), default=lambda v: getattr(v, "value", str(v))))
-    inputs = {"the remote-code lock": _sha256(lock), "--recipe file": _sha256(recipe.path),
+    inputs = {"the remote-code lock": sha256_file(lock), "--recipe file": sha256_file(recipe.path),
               "the resolved recipe": _digest(resolved),
-              "--dataset": _sha256(Path(args.dataset)) if args.dataset else None}
+              "--dataset": sha256_file(Path(args.dataset)) if args.dataset else None}
     return {"kind": KIND, "format": FORMAT, "rank": rank, "world_size": world_size, "ep_size": ep_size,
             "config": config, "config_sha256": _digest(config), "checkpoint": checkpoint,
             "checkpoint_sha256": _digest(checkpoint), "remote_code_lock": {"path": str(lock), "sha256": inputs[
@@ -146,7 +140,7 @@ def read_header(directory: Path, rank: int) -> dict[str, Any]:
                          f"(kind {header.get('kind') if isinstance(header, dict) else None!r}, format "
                          f"{header.get('format') if isinstance(header, dict) else None!r}); run without --resume")
     tensors = directory / header["tensors"]["file"]
-    found = _sha256(tensors) if tensors.is_file() else "missing"
+    found = sha256_file(tensors) if tensors.is_file() else "missing"
     if found != header["tensors"]["sha256"]:
         raise StateError(f"--resume: {tensors} does not match {header_path} (sha256 {found}, recorded "
                          f"{header['tensors']['sha256']}): the state is damaged; run without --resume")
@@ -327,7 +321,7 @@ def save_state(directory: Path, header: Mapping[str, Any], result, tokens: int) 
     _write(tensors_path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     saved = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
     full = {**header, "kind": KIND, "format": FORMAT, **record, "tokens": int(tokens), "saved": saved,
-            "tensors": {"file": tensors_path.name, "sha256": _sha256(tensors_path), "count": len(tensors)}}
+            "tensors": {"file": tensors_path.name, "sha256": sha256_file(tensors_path), "count": len(tensors)}}
     _write(header_path, lambda tmp: tmp.write_text(json.dumps(full, separators=(",", ":")) + "\n"))
     return tensors_path.stat().st_size + header_path.stat().st_size
 

@@ -32,3 +32,13 @@ def test_matching_manifest_passes(tmp_path):
     problems: list[str] = []
     assert _check_manifest(tmp_path / MANIFEST_NAME, file_digests(tmp_path), problems) is True
     assert problems == []
+
+
+def test_known_digests_are_taken_without_reading_the_file(tmp_path):
+    """The exporter passes the digests its ranks worked out while writing; those files are not read again (a
+    deliberately wrong digest shows it was taken as given), the others are hashed."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001.safetensors").write_bytes(b"tensor bytes")
+    digests = file_digests(tmp_path, known={"model-00001.safetensors": "0" * 64})
+    assert digests == {"config.json": hashlib.sha256(b"{}").hexdigest(), "model-00001.safetensors": "0" * 64}
+    assert file_digests(tmp_path)["model-00001.safetensors"] == hashlib.sha256(b"tensor bytes").hexdigest()

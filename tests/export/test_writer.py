@@ -3,6 +3,7 @@ byte for byte, and an export is only ever visible complete."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -74,6 +75,11 @@ def test_single_process_export_layout(single, source):
                  "coverage.json", MANIFEST_NAME):
         assert (export / name).is_file(), name
     assert not list(export.parent.glob(f".{export.name}.*")), "staging directory left behind"
+    # the manifest (tensor files hashed by the rank that wrote them, on a thread) holds every file's real sha256
+    listed = dict(reversed(line.split("  ", 1)) for line in (export / MANIFEST_NAME).read_text().splitlines())
+    on_disk = {p.relative_to(export).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+               for p in export.rglob("*") if p.is_file() and p.name != MANIFEST_NAME}
+    assert listed == on_disk
 
 
 @pytest.mark.parametrize("recipe, world_size, dense", [
