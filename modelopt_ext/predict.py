@@ -13,7 +13,7 @@ routed experts' latent width, M MoE layers; B_ib the per-GPU inter-node bandwidt
   the dense part as the plan places it) over the measured shard-on-read rate of `from_pretrained`. Assumes
   every node's storage gives each GPU the measured rate (node-local copies or a file system that scales with
   the nodes); a shared file system slower in aggregate makes the load longer.
-- calibration = compute + all_to_all + calibrate.fixed_s, where
+- calibration = compute + all_to_all + fixed, where
   - compute = T x sum over measured kinds (count of the kind in the config, `FamilySpec.prediction.layer_kinds`)
     x layers[kind].s_per_token. The measured s_per_token is one rank's share at balanced routing: its own T
     tokens through the dense parts and T x k received rows through its local experts, so it does not depend
@@ -26,9 +26,18 @@ routed experts' latent width, M MoE layers; B_ib the per-GPU inter-node bandwidt
     same time and the slower one bounds a layer (max, not sum). The exchange is added to the compute, not
     overlapped with it: `ep/overlap.py` overlaps it with the experts on one host, but across nodes the
     prediction assumes no overlap (conservative).
-  - calibrate.fixed_s: the measured one-time cost of the calibrate phase (quantizer insertion, amax sync,
-    first calls), added once and not scaled: every rank pays it in parallel. Quantizer insertion grows with
-    the modules per rank, which the measurement does not separate, so for the full model it is a lower bound.
+  - fixed = (convert + finish + sync + coverage) x N / n + first-call excess, from calibrate.parts_s: the
+    per-module parts (quantizer insertion with the weight statistics of every weight quantizer; the collected
+    statistics loaded as amax; the amax sync; the expert coverage check) scaled with the decoder layers, N the
+    real model's (sum of widths.real_layer_counts) over the n measured (len(widths.layers)). An
+    approximation: the quantizers per layer differ by kind (the measurement has one layer of each), and the
+    measured rank holds widths.local_experts experts, the per-rank count at the measured EP degree (at another
+    degree the expert quantizers per rank differ, not scaled). First-call excess = max(0, first_batch -
+    forward / (calibrate.batches - 1)): the first batch minus a steady one (whose time the compute already
+    counts), added once and not scaled; on GPUs ptq's warm-up during the load pays most of it, so it is an
+    upper bound there. Every rank pays the fixed cost in parallel. Without parts_s or widths (or with
+    batches < 2): calibrate.fixed_s added once, unscaled (a lower bound for the full model), and the line's
+    source says so.
 - export = max over ranks of the rank's export bytes / export.bytes_per_s. A rank writes its experts, NVFP4:
   experts_per_rank x M x 3 projections x (in x out x (1/2 + 1/16) bytes: packed E2M1 and one E4M3 scale per
   16, + 2 fp32 scalars: weight_scale_2, input_scale), i.e. the expert parameters / ep x 9/16 + scalars; and
@@ -190,6 +199,37 @@ def dense_export_by_rank(dense: Mapping[str, Any], world_size: int) -> list[int]
     return per_rank
 
 
+FIXED_PER_MODULE_PARTS = ("convert", "finish", "sync", "coverage")
+
+
+def _calibrate_fixed(measurement) -> Line:
+    """The calibrate phase's fixed cost from calibrate.parts_s: the per-module parts x real / measured decoder
+    layers + the first call's excess over a steady batch; _Missing when a part or width is absent."""
+    per_module = {part: _value(measurement, "calibrate", "parts_s", part) for part in FIXED_PER_MODULE_PARTS}
+    first, forward = (_value(measurement, "calibrate", "parts_s", p) for p in ("first_batch", "forward"))
+    batches = _value(measurement, "calibrate", "batches")
+    if batches < 2 or batches != int(batches):
+        raise _Missing(f"calibrate.batches = {batches:g}: needs a whole number >= 2 for a steady batch")
+    widths = measurement.get("widths")
+    measured = widths.get("layers") if isinstance(widths, Mapping) else None
+    if not isinstance(measured, list) or not measured:
+        raise _Missing("measurement lacks widths.layers (a non-empty list)")
+    counts = widths.get("real_layer_counts")
+    if not isinstance(counts, Mapping) or not counts:
+        raise _Missing("measurement lacks widths.real_layer_counts")
+    real = sum(_value(measurement, "widths", "real_layer_counts", kind) for kind in counts)
+    if real <= 0:
+        raise _Missing("widths.real_layer_counts sum to 0")
+    steady = forward / (batches - 1)
+    excess = max(0.0, first - steady)
+    value = sum(per_module.values()) * real / len(measured) + excess
+    parts = " + ".join(f"{part} {s:.3f}" for part, s in per_module.items())
+    formula = (f"({parts} s) x {real:g}/{len(measured)} layers + first-call excess {excess:.2f} s "
+               f"(first batch {first:.3f} - forward {forward:.3f} / {batches - 1:g})")
+    return Line("calibrate fixed", value, "s", formula,
+                "calibrate.parts_s, calibrate.batches, widths.layers, widths.real_layer_counts")
+
+
 def _gbps(bytes_per_s: float) -> str:
     return f"{bytes_per_s / GB:.3g} GB/s"
 
@@ -278,10 +318,15 @@ def predict_job(
         f"config (top_k {k}, latent {L}); --interconnect-gbps, --nvlink-gbps; not overlapped with compute",
     )
     try:
-        fixed_s = _value(measurement, "calibrate", "fixed_s")
-        fixed = Line("calibrate fixed", fixed_s, "s", "measured once per rank, not scaled", "calibrate.fixed_s")
-    except _Missing as e:
-        fixed = unavailable("calibrate fixed", "s", "measured once per rank", e)
+        fixed = _calibrate_fixed(measurement)
+    except _Missing as parts_missing:
+        try:
+            fixed_s = _value(measurement, "calibrate", "fixed_s")
+            fixed = Line("calibrate fixed", fixed_s, "s", "measured once per rank, not scaled (lower bound)",
+                         f"calibrate.fixed_s, unscaled: {parts_missing}")
+        except _Missing as e:
+            fixed = unavailable("calibrate fixed", "s", "per-module parts x layers + first-call excess",
+                                _Missing(f"{e}; {parts_missing}"))
     parts = (compute, a2a, fixed)
     if all(p.available for p in parts):
         calibration = Line("calibration", sum(p.value for p in parts), "s", "compute + all-to-all + fixed",

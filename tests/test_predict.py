@@ -22,20 +22,26 @@ H200 = 139 * GIB
 # Round figures, so that every prediction below can be worked out by hand.
 MEASUREMENT = {
     "machine": "fixture", "date": "2026-01-01", "matmul_bf16_tflops": 750.0, "tokens_per_batch": 4096,
-    "widths": {},
+    "widths": {"layers": ["dense_kda", "moe_kda", "moe_mla"],
+               "real_layer_counts": {"dense_kda": 1, "moe_kda": 68, "moe_mla": 24}},
     "layers": {
         "dense_kda": {"s_per_token": 1e-4, "flops_per_token": 1.0, "roofline_share": 0.5},
         "moe_kda": {"s_per_token": 2e-4, "flops_per_token": 1.0, "roofline_share": 0.5},
         "moe_mla": {"s_per_token": 3e-4, "flops_per_token": 1.0, "roofline_share": 0.5},
         "embed_head": {"s_per_token": 5e-5, "flops_per_token": 1.0, "roofline_share": 0.5},
     },
-    "calibrate": {"s_per_token": 1e-3, "forward_s_per_token": 9e-4, "roofline_share": 0.4, "fixed_s": 7.0},
+    "calibrate": {"s_per_token": 1e-3, "forward_s_per_token": 9e-4, "roofline_share": 0.4, "fixed_s": 7.0,
+                  "batches": 8, "parts_s": {"convert": 0.2, "first_batch": 1.5, "forward": 7.0, "finish": 0.05,
+                                            "sync": 0.05, "coverage": 0.0}},
     "experts": {},
     "memory": {"peak_bytes": 33 * GB, "planned_bytes": 30 * GB},
     "export": {"bytes": 10 * GB, "seconds": 5.0, "bytes_per_s": 2 * GB},
     "disk": {"load_bytes_per_s": 4 * GB, "raw_read_bytes_per_s": 5 * GB, "read_ratio": 0.8,
              "write_bytes_per_s": 2 * GB, "raw_write_bytes_per_s": 3 * GB, "write_ratio": 0.67},
 }
+# Calibrate's fixed cost, by hand: per-module parts (convert + finish + sync + coverage = 0.3 s) x 93 real / 3
+# measured decoder layers = 9.3 s, + first-call excess: first batch 1.5 s - a steady batch (7.0 s / 7) = 0.5 s.
+FIXED = 0.3 * 93 / 3 + (1.5 - 7.0 / 7)  # 9.8 s
 # The public Kimi-K3 config, by hand: top-16 of 896 experts, latent width 3584, expert width 3072, 92 MoE layers
 # (layer 0 dense), layers 4, 8, ..., 92, 93 (1-based) MLA, the other 69 KDA (layer 0 among them).
 TOP_K, LATENT, INTER, EXPERTS, MOE_LAYERS = 16, 3584, 3072, 896, 92
@@ -76,13 +82,13 @@ def test_formulas_by_hand_at_64(kimi, family):
     a2a = MOE_LAYERS * max(V * 56 / 64 / 50e9, V * 7 / 64 / 276e9)
     assert pred.all_to_all.value == pytest.approx(a2a)
     assert pred.all_to_all.value == pytest.approx(1.5126, rel=1e-4)
-    assert pred.calibrate_fixed.value == 7.0
-    assert pred.calibration.value == pytest.approx(compute + a2a + 7.0)
+    assert pred.calibrate_fixed.value == pytest.approx(FIXED) == pytest.approx(9.8)
+    assert pred.calibration.value == pytest.approx(compute + a2a + 9.8)
     # rank 0 writes the 5 GB outside the layers and layer 63's file (64 % 64 == 0): the most bytes
     exported = _expert_bytes(64) + 5 * GB + 1 * GB
     assert _expert_bytes(64) == 23_930_370_240
     assert pred.export.value == pytest.approx(exported / 2e9)
-    assert pred.total.value == pytest.approx(pred.load.value + compute + a2a + 7.0 + exported / 2e9)
+    assert pred.total.value == pytest.approx(pred.load.value + compute + a2a + 9.8 + exported / 2e9)
     assert pred.peak_memory.value == pytest.approx(plan.estimate.total_bytes * 1.1)
     assert pred.tokens_per_rank == 4096
 
@@ -127,12 +133,47 @@ def test_failed_sections_are_reported_unavailable(kimi, family):
     assert pred.load.value is None and "section disk failed: dd failed: no space" in pred.load.source
     assert pred.calibration_compute.value is None and "layers.moe_mla failed: OOM" in pred.calibration_compute.source
     assert pred.calibration.value is None and "calibration compute" in pred.calibration.source
-    assert pred.all_to_all.available and pred.calibrate_fixed.value == 7.0 and pred.export.available
+    assert pred.all_to_all.available and pred.calibrate_fixed.value == pytest.approx(9.8) and pred.export.available
     assert pred.total.value is None and "load, calibration" in pred.total.source
     assert pred.peak_memory.value == _plan(kimi, 64).estimate.total_bytes
     assert "memory.planned_bytes" in pred.peak_memory.source
     text = "\n".join(pred.lines())
     assert "unavailable" in text
+
+
+def test_calibrate_fixed_first_call_excess_is_not_negative(kimi, family):
+    m = copy.deepcopy(MEASUREMENT)
+    m["calibrate"]["parts_s"]["first_batch"] = 0.5  # faster than a steady batch (1.0 s): no excess
+    m["widths"]["layers"] = ["dense_kda", "moe_kda", "moe_mla", "moe_mla"]  # 4 measured layers
+    pred = P.predict_job(kimi, _plan(kimi, 64), m, family=family)
+    assert pred.calibrate_fixed.value == pytest.approx(0.3 * 93 / 4)
+    assert "x 93/4 layers + first-call excess 0.00 s" in pred.calibrate_fixed.formula
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda m: m["calibrate"].pop("parts_s"), "measurement lacks calibrate.parts_s"),
+    (lambda m: m["calibrate"]["parts_s"].pop("sync"), "measurement lacks calibrate.parts_s.sync"),
+    (lambda m: m.update(widths={}), "measurement lacks widths.layers"),
+    (lambda m: m["widths"].pop("real_layer_counts"), "measurement lacks widths.real_layer_counts"),
+    (lambda m: m["calibrate"].update(batches=1), "calibrate.batches = 1"),
+])
+def test_calibrate_fixed_falls_back_to_fixed_s_unscaled(kimi, family, change, why):
+    m = copy.deepcopy(MEASUREMENT)
+    change(m)
+    pred = P.predict_job(kimi, _plan(kimi, 64), m, family=family)
+    assert pred.calibrate_fixed.value == 7.0
+    source = pred.calibrate_fixed.source
+    assert source.startswith("calibrate.fixed_s, unscaled: ") and why in source
+    assert "not scaled" in pred.calibrate_fixed.formula
+    assert pred.calibration.available
+
+
+def test_calibrate_fixed_unavailable_without_parts_and_fixed_s(kimi, family):
+    m = copy.deepcopy(MEASUREMENT)
+    del m["calibrate"]["parts_s"], m["calibrate"]["fixed_s"]
+    pred = P.predict_job(kimi, _plan(kimi, 64), m, family=family)
+    assert pred.calibrate_fixed.value is None and pred.calibration.value is None
+    assert "calibrate.fixed_s" in pred.calibrate_fixed.source and "calibrate.parts_s" in pred.calibrate_fixed.source
 
 
 @pytest.mark.parametrize("value", [0, -1.0, "fast", None, True, float("nan")])
@@ -195,7 +236,10 @@ def test_cli_predict_lines_name_their_source(fixture_file, capsys):
     assert "layers.{dense_kda,moe_kda,moe_mla,embed_head}.s_per_token" in lines["calibration compute"]
     assert "85.8 s" in lines["calibration compute"]
     assert "1.5 s" in lines["all-to-all"] and "--interconnect-gbps" in lines["all-to-all"]
-    assert "[calibrate.fixed_s]" in lines["calibrate fixed"]
+    assert "9.8 s" in lines["calibrate fixed"]
+    assert ("(convert 0.200 + finish 0.050 + sync 0.050 + coverage 0.000 s) x 93/3 layers + first-call excess "
+            "0.50 s (first batch 1.500 - forward 7.000 / 7)") in lines["calibrate fixed"]
+    assert "[calibrate.parts_s, calibrate.batches, widths.layers, widths.real_layer_counts]" in lines["calibrate fixed"]
     assert "[export.bytes_per_s]" in lines["export"]
     assert "memory.peak_bytes / memory.planned_bytes" in lines["peak memory per GPU"]
     assert "unavailable" not in out
