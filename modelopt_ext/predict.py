@@ -234,6 +234,14 @@ def _gbps(bytes_per_s: float) -> str:
     return f"{bytes_per_s / GB:.3g} GB/s"
 
 
+def _sum_line(name: str, parts: tuple[Line, ...], formula: str, source: str) -> Line:
+    """The sum of `parts` (seconds), or unavailable naming the parts that are."""
+    missing = [p.name for p in parts if not p.available]
+    if missing:
+        return Line(name, None, "s", formula, f"unavailable: {', '.join(missing)}")
+    return Line(name, sum(p.value for p in parts), "s", formula, source)
+
+
 def predict_job(
     config: Mapping[str, Any],
     plan,
@@ -327,13 +335,8 @@ def predict_job(
         except _Missing as e:
             fixed = unavailable("calibrate fixed", "s", "per-module parts x layers + first-call excess",
                                 _Missing(f"{e}; {parts_missing}"))
-    parts = (compute, a2a, fixed)
-    if all(p.available for p in parts):
-        calibration = Line("calibration", sum(p.value for p in parts), "s", "compute + all-to-all + fixed",
-                           "the three lines above")
-    else:
-        missing = ", ".join(p.name for p in parts if not p.available)
-        calibration = Line("calibration", None, "s", "compute + all-to-all + fixed", f"unavailable: {missing}")
+    calibration = _sum_line("calibration", (compute, a2a, fixed), "compute + all-to-all + fixed",
+                            "the three lines above")
 
     # export
     experts = expert_export_bytes(sizes["expert_params"], sizes["num_experts"], M, ep)
@@ -349,13 +352,8 @@ def predict_job(
     except _Missing as e:
         export = unavailable("export", "s", formula + " / export.bytes_per_s", e)
 
-    phases = (load, calibration, export)
-    if all(p.available for p in phases):
-        total = Line("total", sum(p.value for p in phases), "s", "load + calibration + export",
-                     "the lines above (validate, engines, start-up not counted)")
-    else:
-        missing = ", ".join(p.name for p in phases if not p.available)
-        total = Line("total", None, "s", "load + calibration + export", f"unavailable: {missing}")
+    total = _sum_line("total", (load, calibration, export), "load + calibration + export",
+                      "the lines above (validate, engines, start-up not counted)")
 
     # peak memory
     planned = plan.estimate.total_bytes
