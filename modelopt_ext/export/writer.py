@@ -10,9 +10,12 @@ Collective under torch.distributed (every rank calls it; each step fails on ever
    made plain (`materialize`: FSDP-sharded ones gathered, expert-parallel ones kept local), ModelOpt's export
    handlers quantize its weights and split fused experts into per-expert tensors, experts are renamed to
    their global ids and the checkpoint's projection names (w1/w3/w2), each rank writes the files it owns
-   (its experts' blocks; dense files round-robin) into a staging directory, and the unit is released;
+   (its experts' blocks; dense files round-robin) into a staging directory, and the unit is released; a
+   rank's files are written and hashed (sha256, for the manifest) on one thread of its own, overlapped with the
+   next unit's work, at most MAX_PENDING_FILES queued;
 3. rank 0 writes the index, config.json (with `quantization_config`), hf_quant_config.json, the source's
-   remote code, tokenizer and generation config, `write_extra`'s files and, last, MANIFEST.sha256, then
+   remote code, tokenizer and generation config, `write_extra`'s files and, last, MANIFEST.sha256 (hashing
+   only the files it wrote itself in this step; the tensor files' digests come from their writers), then
    renames the staging directory to `export_dir`.
 
 Unquantized tensors keep the source checkpoint's dtype and bytes (a model loaded in float32 is cast back).
@@ -59,6 +62,7 @@ from modelopt_ext.families import FamilySpec, experts_module_glob, family_for_co
 from modelopt_ext.lock import sha256_file
 
 logger = logging.getLogger(__name__)
+MAX_PENDING_FILES = 2  # files a rank's writing thread may have queued (host copies held meanwhile)
 __all__ = ["ExportDirError", "ExportResult", "check_export_dir", "export_checkpoint"]
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
@@ -187,8 +191,10 @@ class _UnitExporter:
         self.tied = set(tied) if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
         self.names = dict(family.export_expert_names)
         self.written: dict[str, str] = {}
-        self.hashing: dict[str, concurrent.futures.Future] = {}  # file -> its sha256, worked out on `hasher`
-        self.hasher: concurrent.futures.Executor | None = None
+        # file -> its sha256: the file is written and hashed on `writer` (one thread, in order), overlapped with
+        # the next unit's quantization and copies; at most MAX_PENDING_FILES wait, bounding the host memory
+        self.files_done: dict[str, concurrent.futures.Future] = {}
+        self.writer: concurrent.futures.Executor | None = None
         self.bytes_written = 0
         self.exact = 0
         self.requantized: list[str] = []
@@ -286,8 +292,8 @@ class _UnitExporter:
         return key, value
 
     def digests(self) -> dict[str, str]:
-        """file -> sha256 of every file this rank wrote (waits for the hashing thread)."""
-        return {file: future.result() for file, future in self.hashing.items()}
+        """file -> sha256 of every file this rank wrote (waits for the writing thread; raises what it raised)."""
+        return {file: future.result() for file, future in self.files_done.items()}
 
     def _writes(self, unit: _Unit, file: str) -> bool:
         if unit.layer is not None and file != self.files.dense_file(unit.layer):
@@ -302,9 +308,13 @@ class _UnitExporter:
                 t = t.clone()
             seen.add(t.data_ptr())
             out[key] = t
-        save_file(out, str(self.staging / file), metadata={"format": "pt"})
-        if self.hasher is not None:  # read back while in the page cache, overlapped with the next unit
-            self.hashing[file] = self.hasher.submit(sha256_file, self.staging / file)
+        if self.writer is None:
+            _write_file(self.staging / file, out)
+        else:
+            pending = [f for f in self.files_done.values() if not f.done()]
+            if len(pending) >= MAX_PENDING_FILES:
+                pending[0].result()  # the oldest: files are written in order
+            self.files_done[file] = self.writer.submit(_write_file, self.staging / file, out)
         for key, t in out.items():
             self.written[key] = file
             self.bytes_written += t.numel() * t.element_size()
@@ -319,6 +329,12 @@ def exported_config(source: dict, quantization_config: dict) -> dict:
         config["text_config"].pop("quantization_config", None)
     config["quantization_config"] = quantization_config
     return config
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write one safetensors file and return its sha256 (read back while it is in the page cache)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return sha256_file(path)
 
 
 def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
@@ -409,15 +425,15 @@ def export_checkpoint(
             exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank,
                                      world, expert_input_scales)
             units = _units(model, files)
-            # each rank hashes the files it wrote for the manifest, on a thread while it exports the next unit;
-            # rank 0 then reads only the files it writes in finalization (before: it re-read the whole export)
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="export-sha256") as exporter.hasher:
+            # each rank writes its files and hashes them for the manifest on a thread while it exports the next
+            # unit; rank 0 then reads only the files it writes in finalization (before: it re-read the whole export)
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="export-write") as exporter.writer:
                 for i, unit in enumerate(units):
                     what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
                     all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
                     if progress is not None:
                         progress(i + 1, len(units))
-                digests = {k: v for part in gather_objects(all_or_fail("export hashing", exporter.digests))
+                digests = {k: v for part in gather_objects(all_or_fail("export writing", exporter.digests))
                            for k, v in part.items()}
             maps = gather_objects(exporter.written)
             written = tuple(gather_objects(exporter.bytes_written))

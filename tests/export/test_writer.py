@@ -135,6 +135,28 @@ def test_failed_rank_leaves_no_export(source, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["MANIFEST.sha256", "keep.txt"]  # the previous export is untouched
 
 
+def test_a_failed_file_write_fails_the_export_and_leaves_nothing(source, tmp_path, monkeypatch):
+    """Files are written on the rank's writing thread: a write that fails there (disk full on the second file)
+    fails the export with the OS error, and the staging directory is removed; nothing is published."""
+    from modelopt_ext.export import writer
+
+    written = []
+    write = writer._write_file
+
+    def failing(path, tensors):
+        written.append(path.name)
+        if len(written) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        return write(path, tensors)
+
+    monkeypatch.setattr(writer, "_write_file", failing)
+    out = tmp_path / "export"
+    with pytest.raises(OSError, match="No space left on device"):
+        calibrate_and_export(0, 1, str(source), str(out), FP8)
+    assert len(written) >= 2
+    assert list(tmp_path.iterdir()) == []  # no export, no staging directory
+
+
 def test_check_export_dir(tmp_path):
     assert check_export_dir(tmp_path / "new", overwrite=False) == (tmp_path / "new").resolve()
     (tmp_path / "full").mkdir()
