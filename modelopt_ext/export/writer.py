@@ -11,8 +11,8 @@ Collective under torch.distributed (every rank calls it; each step fails on ever
    handlers quantize its weights and split fused experts into per-expert tensors, experts are renamed to
    their global ids and the checkpoint's projection names (w1/w3/w2), each rank writes the files it owns
    (its experts' blocks; dense files round-robin) into a staging directory, and the unit is released; a
-   rank's files are written and hashed (sha256, for the manifest) on one thread of its own, overlapped with the
-   next unit's work, at most MAX_PENDING_FILES queued;
+   rank's files are written on one thread of its own and hashed (sha256, for the manifest) on HASH_THREADS
+   more, overlapped with the next unit's work, at most MAX_PENDING_FILES queued for writing;
 3. rank 0 writes the index, config.json (with `quantization_config`), hf_quant_config.json, the source's
    remote code, tokenizer and generation config, `write_extra`'s files and, last, MANIFEST.sha256 (hashing
    only the files it wrote itself in this step; the tensor files' digests come from their writers), then
@@ -63,6 +63,7 @@ from modelopt_ext.lock import sha256_file
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_FILES = 2  # files a rank's writing thread may have queued (host copies held meanwhile)
+HASH_THREADS = 4  # threads hashing a rank's written files for the manifest (sha256 is ~1 GB/s a thread)
 __all__ = ["ExportDirError", "ExportResult", "check_export_dir", "export_checkpoint"]
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
@@ -191,10 +192,13 @@ class _UnitExporter:
         self.tied = set(tied) if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
         self.names = dict(family.export_expert_names)
         self.written: dict[str, str] = {}
-        # file -> its sha256: the file is written and hashed on `writer` (one thread, in order), overlapped with
-        # the next unit's quantization and copies; at most MAX_PENDING_FILES wait, bounding the host memory
+        # file -> its sha256: the file is written on `writer` (one thread, in order) and hashed on `hasher`
+        # (HASH_THREADS) once written, overlapped with the next unit's quantization and copies; at most
+        # MAX_PENDING_FILES wait to be written, bounding the host copies held
         self.files_done: dict[str, concurrent.futures.Future] = {}
+        self.writes: list[concurrent.futures.Future] = []
         self.writer: concurrent.futures.Executor | None = None
+        self.hasher: concurrent.futures.Executor | None = None
         self.bytes_written = 0
         self.exact = 0
         self.requantized: list[str] = []
@@ -291,6 +295,12 @@ class _UnitExporter:
             value = value.to(source)  # an unquantized tensor of a model loaded in another precision
         return key, value
 
+    @staticmethod
+    def _done(value) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(value)
+        return future
+
     def digests(self) -> dict[str, str]:
         """file -> sha256 of every file this rank wrote (waits for the writing thread; raises what it raised)."""
         return {file: future.result() for file, future in self.files_done.items()}
@@ -308,13 +318,17 @@ class _UnitExporter:
                 t = t.clone()
             seen.add(t.data_ptr())
             out[key] = t
-        if self.writer is None:
-            _write_file(self.staging / file, out)
+        path = self.staging / file
+        if self.writer is None or self.hasher is None:
+            _write_file(path, out)
+            self.files_done[file] = self._done(sha256_file(path))
         else:
-            pending = [f for f in self.files_done.values() if not f.done()]
-            if len(pending) >= MAX_PENDING_FILES:
-                pending[0].result()  # the oldest: files are written in order
-            self.files_done[file] = self.writer.submit(_write_file, self.staging / file, out)
+            self.writes = [w for w in self.writes if not w.done()]
+            if len(self.writes) >= MAX_PENDING_FILES:
+                self.writes[0].result()  # the oldest: files are written in order
+            write = self.writer.submit(_write_file, path, out)
+            self.writes.append(write)
+            self.files_done[file] = self.hasher.submit(_hash_when_written, write, path)
         for key, t in out.items():
             self.written[key] = file
             self.bytes_written += t.numel() * t.element_size()
@@ -331,9 +345,13 @@ def exported_config(source: dict, quantization_config: dict) -> dict:
     return config
 
 
-def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write one safetensors file and return its sha256 (read back while it is in the page cache)."""
+def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _hash_when_written(write: concurrent.futures.Future, path: Path) -> str:
+    """sha256 of `path` once `write` finished (read back while the file is in the page cache)."""
+    write.result()
     return sha256_file(path)
 
 
@@ -427,7 +445,9 @@ def export_checkpoint(
             units = _units(model, files)
             # each rank writes its files and hashes them for the manifest on a thread while it exports the next
             # unit; rank 0 then reads only the files it writes in finalization (before: it re-read the whole export)
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="export-write") as exporter.writer:
+            with (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="export-write") as exporter.writer,
+                  concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="export-sha256")
+                  as exporter.hasher):
                 for i, unit in enumerate(units):
                     what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
                     all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
