@@ -184,6 +184,17 @@ def test_unusable_rates_are_unavailable(kimi, family, value):
     assert pred.export.value is None and "export.bytes_per_s" in pred.export.source
 
 
+def test_the_durable_export_rate_is_preferred(kimi, family):
+    """With `bytes_per_s_with_flush` measured (export + flush to disk), the export line uses it: half the rate,
+    twice the seconds of the plain rate."""
+    m = copy.deepcopy(MEASUREMENT)
+    plain = P.predict_job(kimi, _plan(kimi, 64), m, family=family).export
+    m["export"]["bytes_per_s_with_flush"] = m["export"]["bytes_per_s"] / 2
+    durable = P.predict_job(kimi, _plan(kimi, 64), m, family=family).export
+    assert durable.source == "export.bytes_per_s_with_flush" and plain.source == "export.bytes_per_s"
+    assert durable.value == pytest.approx(2 * plain.value)
+
+
 def test_no_measurement(kimi, family):
     pred = P.predict_job(kimi, _plan(kimi, 64), None, measurement_source="none here", family=family)
     assert pred.measurement == "none here"
