@@ -167,6 +167,26 @@ def copy_source_files(source_dir: Path, staging: Path) -> list[str]:
     return copied
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk (so nothing looks finished before it is)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_staging(staging: Path, synced: set[str]) -> None:
+    """fsync every file of `staging` not named in `synced` (relative paths the writers already flushed), then
+    its directories: called by rank 0 before publishing, after the manifest is written."""
+    for path in sorted(staging.rglob("*")):
+        if path.is_file() and path.relative_to(staging).as_posix() not in synced:
+            fsync_path(path)
+    for path in sorted((p for p in staging.rglob("*") if p.is_dir()), reverse=True):
+        fsync_path(path)
+    fsync_path(staging)
+
+
 def exchange(a: Path, b: Path) -> bool:
     """Swap two directories atomically (renameat2 RENAME_EXCHANGE); False where the system does not offer it."""
     if not sys.platform.startswith("linux"):
@@ -188,6 +208,7 @@ def publish(staging: Path, export_dir: Path, overwrite: bool) -> list[str]:
     check_export_dir(export_dir, overwrite)
     if not export_dir.exists() or not any(export_dir.iterdir()):
         os.rename(staging, export_dir)  # rename(2) replaces an empty directory in one step
+        fsync_path(export_dir.parent)  # the new name on disk
         logger.info("export complete: %s", export_dir)
         return []
     replaced = export_dir.parent / f".{export_dir.name}{REPLACED_SUFFIX}{secrets.token_hex(_TOKEN_CHARS // 2)}"
@@ -197,6 +218,7 @@ def publish(staging: Path, export_dir: Path, overwrite: bool) -> list[str]:
         logger.info("%s: no atomic exchange here; moving the previous export aside first", export_dir)
         export_dir.rename(replaced)
         staging.rename(export_dir)
+    fsync_path(export_dir.parent)
     logger.info("export complete: %s", export_dir)
     problems: list[str] = []
 

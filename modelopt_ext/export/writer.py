@@ -15,8 +15,10 @@ Collective under torch.distributed (every rank calls it; each step fails on ever
    more, overlapped with the next unit's work, at most MAX_PENDING_FILES queued for writing;
 3. rank 0 writes the index, config.json (with `quantization_config`), hf_quant_config.json, the source's
    remote code, tokenizer and generation config, `write_extra`'s files and, last, MANIFEST.sha256 (hashing
-   only the files it wrote itself in this step; the tensor files' digests come from their writers), then
-   renames the staging directory to `export_dir`.
+   only the files it wrote itself in this step; the tensor files' digests come from their writers), flushes
+   what it wrote and the directories to disk (every rank flushed its tensor files after writing each), then
+   renames the staging directory to `export_dir` and flushes that rename: a crash cannot leave an export that
+   looks finished with bytes still in the page cache.
 
 Unquantized tensors keep the source checkpoint's dtype and bytes (a model loaded in float32 is cast back).
 """
@@ -52,10 +54,12 @@ from modelopt_ext.export.staging import (
     copy_source_files,
     discard,
     drop_owner,
+    fsync_path,
     interrupts_raise,
     publish,
     staging_dir,
     stale_dirs,
+    sync_staging,
 )
 from modelopt_ext.export.target import ExportDirError, check_export_dir
 from modelopt_ext.families import FamilySpec, experts_module_glob, family_for_config, read_config
@@ -346,7 +350,9 @@ def exported_config(source: dict, quantization_config: dict) -> dict:
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one safetensors file and flush it to the disk (the export is published only once every byte is)."""
     save_file(tensors, str(path), metadata={"format": "pt"})
+    fsync_path(path)
 
 
 def _hash_when_written(write: concurrent.futures.Future, path: Path) -> str:
@@ -384,6 +390,7 @@ def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[di
         write_extra(staging)
     drop_owner(staging)
     _write_manifest(staging, file_digests(staging, known=digests))
+    sync_staging(staging, synced=set(digests))  # the tensor files were flushed by their writers
     return len(weight_map), total
 
 

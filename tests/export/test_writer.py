@@ -157,6 +157,31 @@ def test_a_failed_file_write_fails_the_export_and_leaves_nothing(source, tmp_pat
     assert list(tmp_path.iterdir()) == []  # no export, no staging directory
 
 
+def test_every_byte_is_flushed_before_the_export_is_published(source, tmp_path, monkeypatch):
+    """Each tensor file is fsynced by its writer, rank 0's files and the directories before the rename, and the
+    rename itself after it: a crash cannot leave an export that looks finished with data still in memory."""
+    import os
+
+    synced = []
+    fsync = os.fsync
+
+    def recording(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    out = tmp_path / "export"
+    calibrate_and_export(0, 1, str(source), str(out), FP8)
+    staged = {Path(p).relative_to(tmp_path) for p in synced if Path(p).name != out.name and p != str(tmp_path)}
+    staging_names = {p.parts[0] for p in staged}
+    assert len(staging_names) == 1 and next(iter(staging_names)).startswith(".export.partial-")
+    names = {Path(*p.parts[1:]).as_posix() for p in staged if len(p.parts) > 1}
+    published = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert published <= names, sorted(published - names)
+    assert str(tmp_path) in synced  # the rename, after it
+    assert synced.index(str(tmp_path)) == len(synced) - 1
+
+
 def test_check_export_dir(tmp_path):
     assert check_export_dir(tmp_path / "new", overwrite=False) == (tmp_path / "new").resolve()
     (tmp_path / "full").mkdir()
