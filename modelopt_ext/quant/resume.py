@@ -229,7 +229,10 @@ def _decode(value: Any) -> Any:
     if tag == "dict":
         return {_decode(k): _decode(v) for k, v in data}
     if tag == "dtype":
-        return getattr(torch, data)
+        dtype = getattr(torch, str(data), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{data!r} in a saved quantizer property is not a torch dtype")
+        return dtype
     if tag == "slice":
         return slice(*(_decode(v) for v in data))
     raise ValueError(f"unknown tag {tag!r} in a saved quantizer property")

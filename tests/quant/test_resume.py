@@ -176,3 +176,12 @@ def test_the_location_gets_the_export_targets_checks(tmp_path):
     with pytest.raises(resume.StateError, match=r"\.file\.calibration exists and is not a directory"):
         resume.check_location(resume.state_dir(tmp_path / "file"), ckpt, {})
     resume.check_location(resume.state_dir(tmp_path / "out"), ckpt, {})
+
+
+def test_a_saved_dtype_must_name_a_dtype():
+    """A header names dtypes by their torch name; anything else torch exports (a function) is refused."""
+    from modelopt_ext.quant.resume import _decode
+
+    assert _decode({"dtype": "bfloat16"}) is torch.bfloat16
+    with pytest.raises(ValueError, match="'load' in a saved quantizer property is not a torch dtype"):
+        _decode({"dtype": "load"})
