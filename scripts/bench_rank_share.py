@@ -659,7 +659,7 @@ class Bench:
             bare = self.clock.timed(lambda: (torch.mm(x, w13.t()), torch.mm(h, w2.t())), reps=reps)
             gate_up = torch.randn(R, 2 * I, device=self.device, dtype=torch.bfloat16, generator=g)
             glu = self.clock.timed(lambda: packed._apply_gate(gate_up), reps=reps)
-            del dense, gate_up, h
+            dense = gate_up = h = None  # freed before the next measurement
             # as an EP64 rank gets them: [source rank][local expert] blocks (regrouped on GPUs, ep/local.py)
             per = torch.full((EP_SIZE * E,), R // (EP_SIZE * E), dtype=torch.long)
             per[: R % (EP_SIZE * E)] += 1
@@ -700,7 +700,7 @@ class Bench:
             gemm = self.clock.timed(lambda: torch.nn.functional.linear(x, w), reps=reps)
             logits = torch.nn.functional.linear(x, w)
             copy = self.clock.timed(lambda: logits.float(), reps=reps)
-        del w, logits
+        w = logits = None  # freed before empty_cache
         if self.cuda:
             torch.cuda.empty_cache()
         s = gather + gemm + copy
