@@ -37,18 +37,8 @@ def _misaligned_standin(out: Path) -> Path:
     64): the stand-in's sizes before session 11."""
     from modelopt_ext.models.kimi_k3.standin import generate
 
-    build = generate.build_config
-
-    def misaligned(sizes, special_ids):
-        config = build(sizes, special_ids)
-        config.text_config.q_lora_rank = 64
-        config.text_config.linear_attn_config = {**config.text_config.linear_attn_config, "head_dim": 32,
-                                                 "num_heads": 4}
-        return config
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(generate, "build_config", misaligned)
-        return generate.make_tiny(out, seed=0)
+    return generate.make_tiny(out, seed=0, text_overrides={"q_lora_rank": 64,
+                                                           "linear_attn_config": {"head_dim": 32, "num_heads": 4}})
 
 
 @pytest.fixture(scope="module")
