@@ -201,7 +201,7 @@ class _UnitExporter:
         # MAX_PENDING_FILES wait to be written, bounding the host copies held
         self.files_done: dict[str, concurrent.futures.Future] = {}
         self.writes: list[concurrent.futures.Future] = []
-        self.writer: concurrent.futures.Executor | None = None
+        self.writer: concurrent.futures.Executor | None = None  # both set by export_checkpoint for the units
         self.hasher: concurrent.futures.Executor | None = None
         self.bytes_written = 0
         self.exact = 0
@@ -299,12 +299,6 @@ class _UnitExporter:
             value = value.to(source)  # an unquantized tensor of a model loaded in another precision
         return key, value
 
-    @staticmethod
-    def _done(value) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(value)
-        return future
-
     def digests(self) -> dict[str, str]:
         """file -> sha256 of every file this rank wrote (waits for the writing thread; raises what it raised)."""
         return {file: future.result() for file, future in self.files_done.items()}
@@ -323,16 +317,12 @@ class _UnitExporter:
             seen.add(t.data_ptr())
             out[key] = t
         path = self.staging / file
-        if self.writer is None or self.hasher is None:
-            _write_file(path, out)
-            self.files_done[file] = self._done(sha256_file(path))
-        else:
-            self.writes = [w for w in self.writes if not w.done()]
-            if len(self.writes) >= MAX_PENDING_FILES:
-                self.writes[0].result()  # the oldest: files are written in order
-            write = self.writer.submit(_write_file, path, out)
-            self.writes.append(write)
-            self.files_done[file] = self.hasher.submit(_hash_when_written, write, path)
+        self.writes = [w for w in self.writes if not w.done()]
+        if len(self.writes) >= MAX_PENDING_FILES:
+            self.writes[0].result()  # the oldest: files are written in order
+        write = self.writer.submit(_write_file, path, out)
+        self.writes.append(write)
+        self.files_done[file] = self.hasher.submit(_hash_when_written, write, path)
         for key, t in out.items():
             self.written[key] = file
             self.bytes_written += t.numel() * t.element_size()
