@@ -318,7 +318,7 @@ def _run_ptq(args) -> int:
 
     from modelopt_ext.dist import RankFailure
     from modelopt_ext.export.staging import Interrupted
-    from modelopt_ext.ptq import PtqError, run_ptq
+    from modelopt_ext.ptq import PtqError, interrupted_message, run_ptq
 
     if int(os.environ.get("RANK", "0")) > 0 and not args.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports
@@ -329,9 +329,8 @@ def _run_ptq(args) -> int:
     args.report_error = report_error  # also for a rank that the failure watch stops (ranks skip callables)
     try:
         summary = run_ptq(args)
-    except Interrupted as e:  # SIGTERM/SIGINT while the export was staged: staging removed on every rank
-        print(f"modelopt-ext ptq: error: export: {e}; the staging directory was removed and nothing was published",
-              file=sys.stderr)
+    except Interrupted as e:  # SIGTERM/SIGINT: the export's staging is removed on every rank
+        report_error(interrupted_message(e))
         return 128 + e.signum
     except (PtqError, RankFailure, ValueError, OSError) as e:
         logging.getLogger(__name__).debug("ptq failed", exc_info=True)

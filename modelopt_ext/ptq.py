@@ -57,6 +57,7 @@ from modelopt_ext.dist import (
     leave_process_group,
 )
 from modelopt_ext.export import writer
+from modelopt_ext.export.staging import Interrupted, interrupts_raise
 from modelopt_ext.faults import FailureWatch
 from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
 
@@ -281,12 +282,47 @@ def run_ptq(args) -> PtqSummary:
     """Run the phases (see the module doc) for parsed `modelopt-ext ptq` arguments; returns the summary on
     every rank. Joins the process group when WORLD_SIZE > 1 or `--ep` is given, and leaves it at the end."""
     run = _Run(args)
-    try:
-        with run.watch:
-            return run.main()
-    finally:
-        if run.owns_group:
-            leave_process_group()
+    # SIGTERM/SIGINT raise `Interrupted` anywhere in the run, leaving the process group included (once), so
+    # every rank reaches its error line; before, a signal that came while a failed rank left the group (gloo
+    # tears down for a while) found the default handler back and ended the rank with no line (seen in CI)
+    with interrupts_raise():
+        try:
+            with run.watch:
+                return run.main()
+        finally:
+            if run.owns_group:
+                leave_process_group()
+
+
+def interrupted_message(e: Interrupted) -> str:
+    """The error line's text for a run that SIGTERM or SIGINT stopped: the phase it reached, what it left, and
+    the failure this rank was already unwinding from, if any (a signal that reaches a rank after its export
+    failed because another rank was stopped first)."""
+    chain, seen = [], set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        c = todo.pop()
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            chain.append(c)
+            todo += [c.__cause__, c.__context__]
+    # what the run was failing with; an exception an `except` block was handling (e.g. a fallback import) is not one
+    failures = [c for c in chain[1:] if not isinstance(c, Interrupted) and (
+        isinstance(c, (PtqError, RankFailure)) or getattr(c, "export_discarded", False))]
+    failure = next((c for c in failures if isinstance(c, PtqError)), failures[0] if failures else None)
+    during = e.during or (failure.phase if isinstance(failure, PtqError) else "ptq")
+    if any(getattr(c, "export_discarded", False) for c in chain):
+        left = "the staging directory was removed and nothing was published"
+    elif during in ("engines", "summary"):
+        left = "the export was published before it"
+    else:
+        left = "nothing was exported"
+    text = f"{during}: {e}; {left}"
+    if isinstance(failure, PtqError):
+        failure = str(failure)
+    elif failure is not None:
+        failure = f"{type(failure).__name__}: {failure}"
+    return text + (f" (this rank was already failing: {' '.join(failure.split())})" if failure else "")
 
 
 class _Run:
@@ -305,6 +341,9 @@ class _Run:
         start = time.monotonic()
         try:
             yield
+        except Interrupted as e:
+            e.during = e.during or name
+            raise
         except PtqError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure leaves as PtqError naming the phase

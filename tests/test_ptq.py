@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,8 +24,9 @@ from transformers import AutoTokenizer
 import modelopt_ext
 from modelopt_ext import ptq
 from modelopt_ext.cli import build_parser, main
-from modelopt_ext.dist import DEFAULT_TIMEOUT_S
+from modelopt_ext.dist import DEFAULT_TIMEOUT_S, RankFailure
 from modelopt_ext.export import writer
+from modelopt_ext.export.staging import Interrupted
 from modelopt_ext.quant.calibrate import POLICIES
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 from modelopt_ext.testing.nodes import node_env
@@ -160,6 +163,86 @@ def test_failure_names_its_phase(tiny_ckpt, tmp_path, monkeypatch, capsys):
     assert main(["ptq", "--model", str(model), "--export-dir", str(tmp_path / "out"), *FAST]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "modelopt-ext ptq: error: calibrate: RuntimeError: no tokens today"
+
+
+def test_sigterm_during_calibration_ends_in_the_error_line(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """SIGTERM anywhere in the run raises `Interrupted` (before: outside the export it killed the process with
+    no line at all); the handlers in place before the run are back after it."""
+    import modelopt_ext.quant.calibrate as calibrate_module
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler interrupts this
+        raise AssertionError("SIGTERM did not interrupt the calibration")
+
+    monkeypatch.setattr(writer, "check_export_dir", lambda d, overwrite: Path(d).absolute())
+    monkeypatch.setattr(calibrate_module, "calibrate", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "ptq_sigterm_calibrate")
+    assert main(["ptq", "--model", str(model), "--export-dir", str(tmp_path / "out"), *FAST]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "modelopt-ext ptq: error: calibrate: interrupted by SIGTERM; nothing was exported"
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+@EXPORTER
+def test_a_signal_while_a_failed_export_unwinds_still_ends_in_the_error_line(tiny_ckpt, tmp_path, monkeypatch,
+                                                                             capsys):
+    """What CI saw on a 2-node run: rank 0 was stopped first, rank 1's export failed for it, and rank 1's own
+    SIGTERM arrived while it unwound; with the default handler back it died with no line. Now the line names
+    the signal, what was left and the failure it was unwinding from."""
+    original_discard, calls = writer.discard, []
+
+    def failing_materialize(modules):
+        raise RuntimeError("lost the other rank")
+
+    def discard_then_sigterm(staging, *args, **kwargs):
+        original_discard(staging, *args, **kwargs)
+        calls.append(staging)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler interrupts this
+        raise AssertionError("SIGTERM did not interrupt the unwinding")
+
+    monkeypatch.setattr(writer, "materialize", failing_materialize)
+    monkeypatch.setattr(writer, "discard", discard_then_sigterm)
+    model = copy_checkpoint(tiny_ckpt, tmp_path, "ptq_sigterm_unwinding")
+    out = tmp_path / "out"
+    assert main(["ptq", "--model", str(model), "--export-dir", str(out), *FAST]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("modelopt-ext ptq: error: export: interrupted by SIGTERM; the staging directory was removed and "
+                       "nothing was published (this rank was already failing: RuntimeError: lost the other rank)")
+    assert calls and not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_interrupted_message_names_the_failure_it_arrived_during():
+    """The signal arrives after the export phase turned its failure into PtqError (rank 1 leaving its failure
+    watch); an exception an `except` block merely handled is not reported as a failure."""
+    def raised_while(handling: BaseException, during: str | None = None) -> Interrupted:
+        try:
+            try:
+                raise handling
+            except BaseException:
+                e = Interrupted(signal.SIGTERM)
+                e.during = during
+                raise e
+        except Interrupted as e:
+            return e
+
+    lost = RankFailure("lost contact with other ranks during export (RuntimeError: Connection closed by peer)")
+    lost.export_discarded = True
+    try:
+        raise ptq.PtqError("export", str(lost)) from lost
+    except ptq.PtqError as failed:
+        failure = failed
+    assert ptq.interrupted_message(raised_while(failure)) == (
+        "export: interrupted by SIGTERM; the staging directory was removed and nothing was published (this rank "
+        "was already failing: export: lost contact with other ranks during export (RuntimeError: Connection "
+        "closed by peer))")
+    assert ptq.interrupted_message(raised_while(ImportError("no fla"), "load")) == (
+        "load: interrupted by SIGTERM; nothing was exported")
+    assert ptq.interrupted_message(raised_while(ptq.PtqError("engines", "vllm: fused group split"))) == (
+        "engines: interrupted by SIGTERM; the export was published before it (this rank was already failing: "
+        "engines: vllm: fused group split)")
 
 
 def test_pattern_matching_nothing_fails_after_the_first_batch(tiny_ckpt, tmp_path, monkeypatch, capsys):

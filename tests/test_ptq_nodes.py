@@ -86,7 +86,9 @@ def test_an_export_dir_the_nodes_do_not_share_fails_every_rank_in_validate(tiny_
 
 def test_sigterm_during_the_export_removes_the_staging_dir_on_every_rank(tiny_ckpt, tmp_path):
     """What Slurm, Kubernetes and `timeout` do: SIGTERM to every node's agent once the export has written a
-    file; torchrun passes it to its rank, each rank removes the staging dir and exits 143."""
+    file; torchrun passes it to its rank, each rank removes the staging dir and exits 143. Every rank ends in
+    an error line (CI once saw rank 1 die without one: its signal came while it unwound from the failure that
+    rank 0's exit caused, after the export had put back the default handler)."""
     nodes = _nodes(tmp_path, tiny_ckpt)
     out = tmp_path / "out"
     sent = []
@@ -99,10 +101,15 @@ def test_sigterm_during_the_export_removes_the_staging_dir_on_every_rank(tiny_ck
 
     runs = _ptq(tmp_path, nodes, str(out), while_running=terminate_once_exporting)
     assert sent, [r.stderr[-2000:] for r in runs]
+    interrupted = "export: interrupted by SIGTERM; the staging directory was removed and nothing was published"
     for run in runs:
         assert not run.timed_out and run.returncode != 0 and run.seconds < BOUND_S, (run.node, run.stderr[-3000:])
-        assert "error: export: interrupted by SIGTERM; the staging directory was removed" in run.stderr, \
-            run.stderr[-3000:]
+        # a rank whose own signal comes late (its agent was scheduled after the other's) first fails for the
+        # stopped peer: its line says so, and still names the signal when that arrives while it unwinds
+        line = (run.error_lines(PREFIX) or [""])[-1]
+        assert line.startswith(PREFIX + interrupted) or line.startswith(PREFIX + "export: lost contact with other "
+                                                                            "ranks"), (run.node, run.stderr[-3000:])
+    assert any(run.error_lines(PREFIX)[-1].startswith(PREFIX + interrupted) for run in runs)
     left = {str(p): sorted(f.name for f in p.iterdir()) for p in tmp_path.glob(".out.*")}
     state = left.pop(str(tmp_path / ".out.calibration"), None)  # calibration finished: kept for `ptq --resume`
     assert not out.exists() and not left, (left, [run.stderr[-3000:] for run in runs])

@@ -15,7 +15,8 @@ like a finished export.
   Once the new export is in place the run has succeeded: failing to delete the old one is a warning naming
   what is left.
 - `interrupts_raise` turns SIGTERM and SIGINT into `Interrupted` while staging exists, so the staging dir is
-  removed (`discard`) on every rank instead of being left behind.
+  removed (`discard`) on every rank instead of being left behind; `ptq` covers its whole run the same way,
+  so a signal that reaches a rank after its export failed still ends in its error line.
 """
 
 from __future__ import annotations
@@ -56,32 +57,45 @@ __all__ = ["ExportDirError", "Interrupted", "check_export_dir", "discard", "publ
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGINT arrived while an export was staged (a BaseException: no `except Exception` keeps it)."""
+    """SIGTERM or SIGINT arrived while an export was staged, or anywhere in a run that `interrupts_raise`
+    covers (a BaseException: no `except Exception` keeps it). `during` is the step it reached, where the
+    caller records one (`ptq` names its phase)."""
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
+        self.during: str | None = None
+
+
+class _RaiseOnce:
+    """The handler `interrupts_raise` installs: the first SIGTERM or SIGINT raises `Interrupted` in the main
+    thread, later ones are logged and ignored (the first one's unwinding, to `discard` or to the command's
+    error line, must run to its end)."""
+
+    def __init__(self):
+        self.raised: list[int] = []
+
+    def __call__(self, signum, frame):
+        if self.raised:
+            logger.warning("%s while unwinding after %s: ignored", signal.Signals(signum).name,
+                           signal.Signals(self.raised[0]).name)
+            return
+        self.raised.append(signum)
+        raise Interrupted(signum)
 
 
 @contextlib.contextmanager
 def interrupts_raise():
     """While active (main thread only), the first SIGTERM or SIGINT raises `Interrupted` in the main thread;
     later ones are logged and ignored: the first one's unwinding (to `discard`) must run to its end, and a
-    launcher may forward a signal twice or follow SIGTERM with SIGINT."""
-    if threading.current_thread() is not threading.main_thread():
+    launcher may forward a signal twice or follow SIGTERM with SIGINT. Nested inside another (`ptq` covers
+    its whole run, the export its staging), the outer handler stays: one signal raises once per run, and
+    one arriving after the inner block (a rank unwinding from a failed export) still raises."""
+    if threading.current_thread() is not threading.main_thread() or isinstance(
+            signal.getsignal(signal.SIGTERM), _RaiseOnce):
         yield
         return
-
-    raised: list[int] = []
-
-    def handler(signum, frame):
-        if raised:  # already unwinding to `discard`: a second signal must not cut the cleanup short
-            logger.warning("%s while the export is being cleaned up after %s: ignored",
-                           signal.Signals(signum).name, signal.Signals(raised[0]).name)
-            return
-        raised.append(signum)
-        raise Interrupted(signum)
-
+    handler = _RaiseOnce()
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield

@@ -463,7 +463,8 @@ def export_checkpoint(
             warnings = all_or_fail("export publishing",
                                    lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
             warnings = tuple(gather_objects(warnings)[0])
-        except BaseException:
+        except BaseException as e:
+            e.export_discarded = True  # read by `ptq`'s error line: nothing of this export is published
             discard(staging)  # on every rank: the one that was interrupted may not be rank 0
             raise
     seconds = time.perf_counter() - start
