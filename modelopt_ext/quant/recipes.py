@@ -1,8 +1,9 @@
 """Quantization recipes: YAML files loaded through ModelOpt's recipe loader, `--set` overrides, checks.
 
 A recipe is a ModelOpt PTQ recipe (`metadata`, `quantize.{algorithm, quant_cfg}`, optional `imports`), the
-schema `modelopt.recipe.load_recipe` validates. The shipped ones live in `RECIPES_DIR` (inside the package,
-so they ship with the wheel): `<group>/<name>.yaml` recipes and `units/*.yaml` reusable `quant_cfg` units.
+schema `modelopt.recipe.load_recipe` validates. The shipped ones live in `RECIPES_DIR` (`recipes/` at the repository's
+top level, shipped in the wheel as `modelopt_ext/recipes`): `<group>/<name>.yaml` recipes and `units/*.yaml`
+reusable `quant_cfg` units.
 
     recipe = load("nvfp4_experts-fp8_attention", overrides=["quantize.algorithm.method=max"])
     cfg = quant_config(recipe, model.config)       # {"quant_cfg": [...], "algorithm": ...} for mtq.quantize
@@ -83,7 +84,17 @@ from modelopt_ext.quant.recipe_io import check_algorithm as check_algorithm
 
 logger = logging.getLogger(__name__)
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _recipes_dir() -> Path:
+    """The shipped recipes: `recipes/` at the repository's top level in a source checkout (editable installs
+    included), `modelopt_ext/recipes` in an installed wheel (setup.py maps the one onto the other)."""
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parent / "recipes"
+
+
+RECIPES_DIR = _recipes_dir()
 UNITS_DIR = RECIPES_DIR / "units"
 QFORMATS_FILE = RECIPES_DIR / "qformats.yaml"
 

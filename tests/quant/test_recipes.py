@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import json
+import os
 import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+import modelopt_ext
 from modelopt_ext.quant import recipes as R
 
 SHIPPED = ["kimi_k3/calibration_free", "kimi_k3/fp8_all", "kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/nvfp4_experts_only"]
@@ -51,8 +58,8 @@ def test_shipped_recipes_and_name_resolution(tmp_path, monkeypatch):
     assert R.resolve_recipe("fp8_all") == full
     assert R.resolve_recipe("kimi_k3/fp8_all.yaml") == full
     assert R.resolve_recipe(full) == full
-    # recipes ship inside the package (wheel): package data names the folder
-    assert R.RECIPES_DIR.parent.name == "modelopt_ext"
+    # in a checkout the recipes are the repository's top-level recipes/ (test_the_wheel_ships_the_recipes)
+    assert R.RECIPES_DIR == Path(modelopt_ext.__file__).resolve().parents[1] / "recipes"
     monkeypatch.chdir(tmp_path)
     _write(tmp_path / "mine.yaml", _user_recipe([]))
     assert R.resolve_recipe("mine.yaml") == tmp_path / "mine.yaml"
@@ -587,3 +594,31 @@ def test_histogram_calibrator_set_by_override_is_refused_at_load():
     with pytest.raises(ValueError, match=r"after --set quantize.quant_cfg.2.cfg.calibrator=histogram .*"
                        r"cfg.calibrator is 'histogram'; modelopt_ext calibrates with ModelOpt's max calibrator only"):
         R.load("kimi_k3/nvfp4_experts_only", overrides=["quantize.quant_cfg.2.cfg.calibrator=histogram"])
+
+
+def test_the_wheel_ships_the_recipes(tmp_path):
+    """recipes/ sits at the repository's top level; setup.py ships it as modelopt_ext/recipes, where an
+    installed copy finds its recipes by name. Built here from this checkout (no network, no isolation)."""
+    checkout = Path(modelopt_ext.__file__).resolve().parents[1]
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "--no-index", "-w", str(tmp_path / "wheel"), str(checkout)],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("modelopt_ext-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        z.extractall(site)
+    shipped = sorted(p.relative_to(checkout / "recipes").as_posix() for p in (checkout / "recipes").rglob("*.yaml"))
+    assert sorted(n[len("modelopt_ext/recipes/"):] for n in names if n.startswith("modelopt_ext/recipes/")) == shipped
+    assert not [n for n in names if n.startswith("recipes/")]
+    probe = ("import json, modelopt_ext; from modelopt_ext.quant import recipes as R; "
+             "print(json.dumps([modelopt_ext.__file__, str(R.RECIPES_DIR), R.available_recipes(), "
+             "str(R.resolve_recipe('fp8_all'))]))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**env, "PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    package, recipes_dir, available, fp8_all = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(package).parent == site / "modelopt_ext" and Path(recipes_dir) == site / "modelopt_ext" / "recipes"
+    assert available == R.available_recipes() and Path(fp8_all) == site / "modelopt_ext/recipes/kimi_k3/fp8_all.yaml"
