@@ -1,6 +1,7 @@
 """Calibration data: an embedded default set, JSONL or text files, tokenized into per-rank batches.
 
-No downloads: the default set is the text shipped with the package (the stand-in's corpus). A file is
+No downloads: the default set is the text shipped with the package (`corpus.txt` beside this module; the
+stand-in generators train their tokenizers on it too). A file is
 JSONL (one object per line with a "text" field, or "messages" rendered with the tokenizer's chat template)
 or plain text (one sample per non-empty line). It must be a regular file (a FIFO or a device is refused
 before it is opened) of at most `max_bytes`, 1 GiB by default (`DEFAULT_MAX_DATASET_BYTES`). Samples are
@@ -25,10 +26,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def corpus_text() -> str:
+    """The embedded corpus, whole: 18 English paragraphs, one a line."""
+    return importlib.resources.files(__package__).joinpath("corpus.txt").read_text(encoding="utf-8")
+
+
 def default_texts() -> list[str]:
     """The embedded calibration texts (one paragraph per sample)."""
-    text = importlib.resources.files("modelopt_ext.models.kimi_k3.standin").joinpath("corpus.txt").read_text()
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    return [line.strip() for line in corpus_text().splitlines() if line.strip()]
 
 
 # The largest --dataset read (1 GiB). Calibration uses calib_size * seq_len tokens, a few MB of text (512

@@ -3,18 +3,20 @@
 The real Kimi-K3 tokenizer is large and lives on the Hub; tests and tiny stand-in checkpoints only
 need something that behaves like it: byte-level (so any text round-trips), carrying the same chat and
 media marker tokens, and loadable offline with ``transformers.AutoTokenizer``. The BPE merges are
-learned from ``corpus.txt`` (package data next to this module), so the result depends only on the
+learned from the embedded corpus (``modelopt_ext/quant/corpus.txt``, also the default calibration text), so
+the result depends only on the
 requested vocabulary size and the installed ``tokenizers`` version.
 """
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import logging
 import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from modelopt_ext.quant.data import corpus_text
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +62,7 @@ CHAT_TEMPLATE = (
 
 def _corpus_lines() -> list[str]:
     """Return the non-empty lines (paragraphs) of the packaged training corpus."""
-    text = importlib.resources.files(__package__).joinpath("corpus.txt").read_text(encoding="utf-8")
-    return [line for line in text.splitlines() if line.strip()]
+    return [line for line in corpus_text().splitlines() if line.strip()]
 
 
 def build_tokenizer(vocab_size: int) -> Tokenizer:
