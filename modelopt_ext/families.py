@@ -97,7 +97,9 @@ class FamilySpec:
         quantizer_exclusions: config -> quantizer name globs that must stay unquantized.
         converters: expert storage ("mxfp4" | "dense") -> transformers weight transforms.
         load: `load(path, **from_pretrained_kwargs)` -> model; validates everything before mutating.
-        make_tiny: generator of the family's stand-in checkpoint, if it has one.
+        make_tiny: generator of the family's stand-in checkpoint, if it has one: `make_tiny(out_dir, seed=0,
+            sizes={field: int}, force=False, fit_steps=0)` -> its path (`modelopt-ext make-tiny`; unknown sizes
+            are a ValueError naming the family's).
         sizes: `sizes(config_json_mapping)` -> figures for distribution planning (parameter and byte counts,
             widths; `modelopt_ext.plan.REQUIRED_SIZES` lists the keys), if the family can be planned.
         bundled_configs: name -> config.json shipped with the package (e.g. the full-size model), usable

@@ -108,6 +108,20 @@ def test_make_tiny_out_dir_is_a_file(tmp_path, capsys):
     assert out.read_text() == "x"
 
 
+def test_make_tiny_goes_through_the_family_registry(tmp_path):
+    """The CLI names no family: make-tiny's choices and generator come from the registered families, which
+    refuse a size they have no field for (naming theirs); parsing does not import the generator."""
+    from modelopt_ext.families import families
+
+    with pytest.raises(ValueError, match=r"kimi_k3 stand-in: no size n_group \(it has num_layers, hidden_size, "):
+        families()["kimi_k3"].make_tiny(tmp_path / "x", sizes={"n_group": 2})
+    assert not (tmp_path / "x").exists()
+    probe = ("import sys, modelopt_ext.cli as c; c.build_parser(); "
+             "print(sorted(m for m in sys.modules if '.standin' in m))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.parametrize(
     "argv",
     [

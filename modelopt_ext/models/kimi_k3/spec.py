@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from modelopt_ext.families import FamilySpec, PredictionSpec, ServingSpec, register_family
@@ -64,10 +65,19 @@ def _load(path, **kwargs):
     return load(path, **kwargs)
 
 
-def _make_tiny(*args, **kwargs):
-    from .standin.generate import make_tiny
+def _make_tiny(out_dir, seed: int = 0, sizes=None, **kwargs):
+    """The family's stand-in generator; `sizes` a TinySizes or a mapping of overrides of its fields."""
+    import dataclasses
 
-    return make_tiny(*args, **kwargs)
+    from .standin.generate import TinySizes, make_tiny
+
+    if isinstance(sizes, Mapping):
+        fields = [f.name for f in dataclasses.fields(TinySizes)]
+        unknown = sorted(set(sizes) - set(fields))
+        if unknown:
+            raise ValueError(f"kimi_k3 stand-in: no size {', '.join(unknown)} (it has {', '.join(fields)})")
+        sizes = TinySizes(**sizes)
+    return make_tiny(out_dir, seed, TinySizes() if sizes is None else sizes, **kwargs)
 
 
 KIMI_K3 = register_family(
