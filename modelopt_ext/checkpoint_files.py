@@ -24,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from modelopt_ext.export.layout import MAX_HEADER_BYTES, _check_layout
+from modelopt_ext.export.layout import MAX_HEADER_BYTES, check_layout
 from modelopt_ext.families import read_config, source_quantization_config
 from modelopt_ext.lock import sha256_file
 
@@ -108,7 +108,7 @@ def check_checkpoint_files(path: str | Path, *, scales: bool = False) -> Checkpo
     config = _check_config(path)
     problems: list[str] = []
     try:
-        shards, entries, total_bytes = _check_layout(path, problems)
+        shards, entries, total_bytes = check_layout(path, problems)
         notes = [p for p in problems if _is_total_size_note(p)]
         problems = [p for p in problems if not _is_total_size_note(p)]
         if not problems:  # on a broken layout, expert ids or shapes would be missing for the wrong reason

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from modelopt_ext.export import engine_names as en
-from modelopt_ext.export.layout import _check_layout
+from modelopt_ext.export.layout import check_layout
 from modelopt_ext.export.quant_layout import HF_QUANT_CONFIG_NAME, _same_grid, fp8_pb_grid
 from modelopt_ext.export.serving import FP8_BLOCK
 from modelopt_ext.export.tensors import _Entry, _load_json, _Tensors
@@ -79,7 +79,7 @@ class _Export:
 
     def __init__(self, export_dir: Path, config: Mapping, family: FamilySpec, stack: ExitStack):
         layout_problems: list[str] = []
-        _, entries, _ = _check_layout(export_dir, layout_problems)
+        _, entries, _ = check_layout(export_dir, layout_problems)
         if layout_problems:
             logger.debug("layout problems (reported by verify): %s", layout_problems[:SHOWN])
         hf = _load_json(export_dir / HF_QUANT_CONFIG_NAME, layout_problems)

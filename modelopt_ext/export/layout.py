@@ -1,4 +1,7 @@
-"""Checks (1) and (2) of `verify_export`: safetensors shards, the index, and duplicate tensor names."""
+"""Checks (1) and (2) of `verify_export`: safetensors shards, the index, and duplicate tensor names.
+
+Public: `check_layout` (a sharded safetensors folder: shards, index, names; also the source checkpoint's checks in
+`modelopt_ext.checkpoint_files`) and `read_header` (one shard's header as entries)."""
 
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def _header_json(path: Path, size: int, problems: list[str]) -> tuple[int, objec
     return n, header
 
 
-def _read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
+def read_header(path: Path, problems: list[str]) -> dict[str, _Entry] | None:
     """Header entries of one safetensors file; offsets checked against the file size, and the tensors' data
     checked to fill the data section exactly (back to back from byte 0, nothing after the last one), as
     safetensors itself requires."""
@@ -154,12 +157,12 @@ def _check_index(
             )
 
 
-def _check_layout(export_dir: Path, problems: list[str]) -> tuple[list[str], dict[str, _Entry], int]:
+def check_layout(export_dir: Path, problems: list[str]) -> tuple[list[str], dict[str, _Entry], int]:
     """Shard files, the tensors (first occurrence of each name) and their total data bytes."""
     shards = sorted(p.name for p in export_dir.glob("*.safetensors") if p.is_file())
     headers = {}
     for name in shards:
-        header = _read_header(export_dir / name, problems)
+        header = read_header(export_dir / name, problems)
         if header is not None:
             headers[name] = header
     where: dict[str, list[str]] = defaultdict(list)

@@ -61,7 +61,7 @@ from modelopt_ext.export.bounds import (
     FP8_SUBNORMAL_HALF_STEP,
     _check_bound,
 )
-from modelopt_ext.export.layout import INDEX_NAME, _check_layout
+from modelopt_ext.export.layout import INDEX_NAME, check_layout
 from modelopt_ext.export.manifest import (
     MANIFEST_NAME,
     _check_manifest,
@@ -308,7 +308,7 @@ def verify_export(
     manifest = "not written"  # with write_manifest: "written" below, if every check passes
     if not write_manifest:
         manifest = "checked" if _check_manifest(manifest_path, digests, problems) else "missing"
-    shards, entries, tensor_bytes = _check_layout(export_dir, problems)
+    shards, entries, tensor_bytes = check_layout(export_dir, problems)
     spec = _read_quant_spec(export_dir, problems)
     source_files = None if source_dir is None else _source_files(Path(source_dir))
     stats: dict[str, list[float]] = {}

@@ -46,7 +46,7 @@ from modelopt_ext.export.exact_cast import cast_pair, mxfp4_to_nvfp4
 from modelopt_ext.export.expert_inputs import MODES as EXPERT_INPUT_MODES
 from modelopt_ext.export.expert_inputs import expert_input_scales
 from modelopt_ext.export.files import ExportFiles, check_experts_per_file, expert_key_renamer
-from modelopt_ext.export.layout import INDEX_NAME, _read_header
+from modelopt_ext.export.layout import INDEX_NAME, read_header
 from modelopt_ext.export.manifest import _write_manifest, file_digests
 from modelopt_ext.export.materialize import expert_offset, materialize, release
 from modelopt_ext.export.serving import flat_quant_config, serving_quant_config
@@ -143,7 +143,7 @@ def _source_dtypes(source_dir: Path) -> dict[str, torch.dtype]:
     problems: list[str] = []
     dtypes = {}
     for shard in sorted(source_dir.glob("*.safetensors")):
-        for key, entry in (_read_header(shard, problems) or {}).items():
+        for key, entry in (read_header(shard, problems) or {}).items():
             if entry.dtype in _SAFETENSORS_DTYPES:
                 dtypes[key] = _SAFETENSORS_DTYPES[entry.dtype]
     if problems:
@@ -366,7 +366,7 @@ def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[di
     if set(weight_map.values()) != planned:
         raise RuntimeError(f"files planned but not written: {sorted(planned - set(weight_map.values()))}; "
                            f"written but not planned: {sorted(set(weight_map.values()) - planned)}")
-    total = sum(e.nbytes for f in sorted(planned) for e in (_read_header(staging / f, []) or {}).values())
+    total = sum(e.nbytes for f in sorted(planned) for e in (read_header(staging / f, []) or {}).values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     copy_source_files(source_dir, staging)

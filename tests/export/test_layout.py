@@ -1,4 +1,4 @@
-"""`_read_header`: safetensors files built by hand (u64 little-endian header length, JSON header, data), each
+"""`read_header`: safetensors files built by hand (u64 little-endian header length, JSON header, data), each
 refusal checked against what the safetensors library itself does with the same bytes."""
 
 import json
@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from modelopt_ext.export.layout import MAX_HEADER_BYTES, _read_header
+from modelopt_ext.export.layout import MAX_HEADER_BYTES, read_header
 
 
 def _write(path, header: dict, data: bytes, length: int | None = None) -> None:
@@ -24,7 +24,7 @@ def _u8(begin: int, end: int) -> dict:
 
 def _problems(path) -> list[str]:
     problems: list[str] = []
-    _read_header(path, problems)
+    read_header(path, problems)
     return problems
 
 
@@ -42,7 +42,7 @@ def test_saved_file_has_no_problem(tmp_path):
     path = tmp_path / "ok.safetensors"
     save_file({"a": torch.zeros(3, dtype=torch.uint8), "b": torch.ones(2, 5)}, str(path), metadata={"format": "pt"})
     problems: list[str] = []
-    entries = _read_header(path, problems)
+    entries = read_header(path, problems)
     assert problems == [] and sorted(entries) == ["a", "b"] and entries["b"].nbytes == 40
 
 
