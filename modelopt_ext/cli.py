@@ -279,6 +279,10 @@ def _add_ptq(sub) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--experts-implementation", choices=["eager", "grouped_mm", "batched_mm"], default=None,
                    help="transformers experts implementation (default: transformers' choice)")
+    p.add_argument("--experts-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="how the fused experts and the EP exchange run (repeatable; modelopt_ext.options."
+                        "ExpertsOptions: pipeline, chunks, transport, token_dispatch, row_tile, segment_min_rows, "
+                        "grouped_statistics, fast_on_cuda, glu_on_cuda; defaults: the measured best)")
     p.add_argument("--remote-code-lock", metavar="LOCK", default=None,
                    help="lock of reviewed remote code that differs from the pinned revision (modelopt-ext "
                    "lock-remote-code)")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from modelopt_ext.families import FamilySpec, families, family_for_config, read_config, source_quantization_config
+from modelopt_ext.options import DEFAULT, ExpertsOptions
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class DistributionPlan:
     expert_total_bytes: int  # all experts as stored on disk
     dense_total_bytes: int
     reason: str  # why `dense` was chosen
+    experts_options: ExpertsOptions = DEFAULT  # how the experts and their exchange run: the same on every rank
 
     @property
     def replicas(self) -> int:
@@ -157,6 +159,8 @@ class DistributionPlan:
     def from_dict(cls, d: Mapping[str, Any]) -> DistributionPlan:
         d = dict(d)
         est = {k: v for k, v in d.pop("estimate").items() if k != "total_bytes"}
+        if "experts_options" in d:
+            d["experts_options"] = ExpertsOptions.from_dict(d["experts_options"])
         return cls(estimate=MemoryEstimate(**est), **d)
 
     def summary(self) -> str:
@@ -241,6 +245,7 @@ def resolve_distribution_plan(
     device_memory_bytes: int | None = None,
     tokens_per_rank: int = 4096,
     expert_storage: str | None = None,
+    experts_options: ExpertsOptions = DEFAULT,
 ) -> DistributionPlan:
     """Choose the placement of `config`'s model on `world_size` ranks, or refuse with the numbers.
 
@@ -253,6 +258,8 @@ def resolve_distribution_plan(
         device_memory_bytes: memory of one device (default: CUDA device 0, else physical RAM).
         tokens_per_rank: tokens of one calibration batch per rank (for the activation estimate).
         expert_storage: "mxfp4" | "dense" in memory; default as the checkpoint stores them.
+        experts_options: how the experts and their exchange run (`modelopt_ext.options`), carried by the plan
+            so that the ranks agree on them with it.
     Raises:
         ValueError naming the offending numbers.
     """
@@ -311,7 +318,7 @@ def resolve_distribution_plan(
         family=spec.name, world_size=world_size, ep_size=ep, dp_size=world_size, dense=mode,
         num_experts=num_experts, experts_per_rank=num_experts // ep, expert_storage=storage, estimate=est,
         device_memory_bytes=memory, tokens_per_rank=tokens_per_rank, expert_total_bytes=sizes["expert_bytes"],
-        dense_total_bytes=sizes["dense_bytes"], reason=reason,
+        dense_total_bytes=sizes["dense_bytes"], reason=reason, experts_options=experts_options,
     )
     logger.info("distribution plan for %s: world %d, EP %d, dense %s, %d experts per rank, %s per rank",
                 spec.name, world_size, ep, mode, plan.experts_per_rank, _fmt(est.total_bytes))

@@ -179,7 +179,10 @@ class PtqSummary:
 
 
 def check_sizes(args) -> None:
-    """Every size and count argument is positive (None means unset)."""
+    """Every size and count argument is positive (None means unset); `--experts-option`s parse."""
+    from modelopt_ext.options import ExpertsOptions
+
+    ExpertsOptions.parse(getattr(args, "experts_option", None) or ())
     for name in POSITIVE:
         value = getattr(args, name, None)
         option = f"--{name.replace('_', '-')}"
@@ -537,6 +540,9 @@ class _Run:
             kwargs["remote_code_lock"] = a.remote_code_lock
         if a.experts_implementation is not None:
             kwargs["experts_implementation"] = a.experts_implementation
+        from modelopt_ext.options import ExpertsOptions
+
+        kwargs["experts_options"] = ExpertsOptions.parse(getattr(a, "experts_option", None) or ())
         if torch.cuda.is_available() and not getattr(a, "no_warmup", False):
             kwargs["warmup_tokens"] = (a.batch_size, a.seq_len)  # a calibration batch's shape
         if self.ep_size is None:

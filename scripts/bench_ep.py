@@ -9,21 +9,21 @@ lock step. Measured in the same run:
   - layer_ours[C]: router + `ep.overlap.overlapped_moe` with C chunks (exchange overlapped with the experts,
     experts in place on the received blocks, fused weighted combine), NCCL with one row per slot (the default
     link); layer_tokens[C]: the same with each token sent once per rank (`ep.token_link`, opt-in
-    `overlap.TOKEN_DISPATCH = True`). (In session 7's JSON, taken while the token dispatch was the default,
+    experts option `token_dispatch`). (In session 7's JSON, taken while the token dispatch was the default,
     "ours" is the token dispatch and "slots" the slot rows.);
   - layer_before: router + `ep.dispatch` + transformers' grouped_mm experts function + `combine` (the path
     `torch_a2a` takes for calibration and autograd);
   - parts: the two bare `torch._grouped_mm` GEMMs on the rows this rank receives + raw `all_to_all_single`
     of the same rows there and back (the issue's yardstick: layer / parts <= 1.0);
   - experts block (`run_rows`: GEMMs, activation) against a bf16 8192^3 matmul, with each SiTU-GLU form
-    (`experts.GLU_FORMS` and the sigmoid rewrite; time and error against float64); MXFP4 dequantization of
+    (`modelopt_ext.options.GLU_FORMS` and the sigmoid rewrite; time and error against float64); MXFP4 dequantization of
     the local experts (reference vs fused kernel);
   - with --carveouts N: cuBLASLt GEMMs told to leave N SMs free (`torch._C._set_sm_carveout_experimental`),
     bare and inside the overlapped layer;
   - dispatch+combine alone (identity experts) against the raw exchange of the slot rows (the yardstick) and
     against a raw exchange of the bytes the token dispatch moves (token rows out, slot rows back);
   - the layer with a new routing on every call ("varying": per-shape host costs show, as in calibration),
-    with the default rule for small blocks (`ep.local.SEGMENT_MIN_ROWS`: regrouped) and with one GEMM per
+    with the default rule for small blocks (experts option `segment_min_rows`: regrouped) and with one GEMM per
     block.
 Rank 0 prints ratios and writes DIR/bench_ep.json.
 """
@@ -49,6 +49,7 @@ from modelopt_ext.ep.token_link import TokenLink
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_fused
 from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts
+from modelopt_ext.options import GLU_FORMS
 
 
 def make_timer(device: str, warmup: int, reps: int):
@@ -112,7 +113,7 @@ def bench_activation(R, I, dev, dt, timed, t, out) -> None:
     """Each SiTU-GLU form on a [R, 2I] gate/up output: time, and its error against the float64 formula."""
     gate_up = torch.randn(R, 2 * I, device=dev, dtype=dt) * 3
     ref = experts_module._situ_glu_reference(*gate_up.double().chunk(2, -1), 4.0, 25.0)
-    forms = {form: (lambda form=form: _glu_form(form, gate_up)) for form in experts_module.GLU_FORMS}
+    forms = {form: (lambda form=form: experts_module.apply_situ_glu(gate_up, 4.0, 25.0, form)) for form in GLU_FORMS}
     sigmoid_form = torch.compile(situ_glu_sigmoid_form, dynamic=True, fullgraph=True) if dev == "cuda" else (
         situ_glu_sigmoid_form)
     forms["sigmoid"] = lambda: sigmoid_form(*gate_up.chunk(2, -1), 4.0, 25.0)
@@ -121,11 +122,6 @@ def bench_activation(R, I, dev, dt, timed, t, out) -> None:
         y = fn()
         out[f"glu_{form}_max_abs_diff"] = float((y.double() - ref).abs().max())
         out[f"glu_{form}_max_bf16_ulps"] = float(bf16_ulps(y, ref).max())
-
-
-def _glu_form(form: str, gate_up: torch.Tensor) -> torch.Tensor:
-    with setting(experts_module, "GLU_ON_CUDA", form):
-        return experts_module.apply_situ_glu(gate_up, 4.0, 25.0)
 
 
 def bench_dequant(E, I, H, dev, dt, timed, t, out) -> None:
@@ -157,27 +153,14 @@ def bench_exchange_parts(x, ids, weights, num_experts, K, timed, t) -> None:
 
 
 @contextlib.contextmanager
-def setting(module, name: str, value):
-    """`module.name` set to `value` inside the block."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
+def experts_options(experts, **changes):
+    """The experts module's options (`modelopt_ext.options.ExpertsOptions`) changed inside the block."""
+    saved = experts.options
+    experts.options = saved.replace(**changes)
     try:
         yield
     finally:
-        setattr(module, name, saved)
-
-
-def segment_rule(min_rows: int):
-    return setting(local, "SEGMENT_MIN_ROWS", min_rows)
-
-
-def transport(name: str):
-    return setting(overlap, "TRANSPORT", name)
-
-
-def token_dispatch():
-    """NCCL with each token sent once per destination rank (`ep.token_link`) instead of one row per slot."""
-    return setting(overlap, "TOKEN_DISPATCH", True)
+        experts.options = saved
 
 
 def token_split_sizes(ids, E: int, group) -> tuple[list[int], list[int]]:
@@ -302,12 +285,12 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         # GEMMs would reach at this size and the clocks of a long run
         t["dense_same_shapes"] = timed(lambda: (torch.mm(xs, w13[0].t()), torch.mm(h, w2[0].t())))
         # the experts block
-        with segment_rule(0):  # one cuBLAS GEMM per [source][expert] block, whatever its size
+        with experts_options(experts, segment_min_rows=0):  # one cuBLAS GEMM per [source][expert] block, any size
             t["experts_segments"] = timed(lambda: experts.run_rows(recv_x, segments))
-            for form in [f for f in experts_module.GLU_FORMS[1:] if f != "eager"]:  # the default's alternatives
-                with setting(experts_module, "GLU_ON_CUDA", form):
+            for form in [f for f in GLU_FORMS[1:] if f != "eager"]:  # the default's alternatives
+                with experts_options(experts, glu_on_cuda=form):
                     t[f"experts_segments_glu_{form}"] = timed(lambda: experts.run_rows(recv_x, segments))
-        with segment_rule(1 << 62):  # blocks regrouped expert-major, one grouped GEMM per projection
+        with experts_options(experts, segment_min_rows=1 << 62):  # blocks regrouped expert-major, one grouped GEMM
             t["experts_segments_regrouped"] = timed(lambda: experts.run_rows(recv_x, segments))
         t["experts_grouped"] = timed(lambda: experts.run_rows(xs, offs_E=offs_E))
         ones = torch.ones(R, device=dev, dtype=dt)
@@ -325,10 +308,9 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         for c in args.chunks[1:]:
             t[f"exchange_ours_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
                                                                     chunks=c, transport="nccl"))
-        with token_dispatch():
-            for c in args.chunks:
-                t[f"exchange_tokens_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
-                                                                         chunks=c, transport="nccl"))
+        for c in args.chunks:
+            t[f"exchange_tokens_c{c}"] = timed(lambda: overlapped_moe(x, ids, weights, E, group, lambda r, s: r,
+                                                                     chunks=c, transport="nccl", token_dispatch=True))
 
         def exchange_before():
             rx, _, m = dispatch(x, ids, E, group)
@@ -345,9 +327,10 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
             y = run_local_experts(experts, rx, rids, torch.ones(rx.shape[0], device=dev, dtype=dt))
             return combine(y, w, m, group)
 
-        def layer_ours(c):
+        def layer_ours(c, token_dispatch=False):
             i, w = router(x, w_router, K)
-            return overlapped_moe(x, i, w, E, group, experts.run_rows, chunks=c, transport="nccl")
+            return overlapped_moe(x, i, w, E, group, experts.run_rows, chunks=c, transport="nccl",
+                                  token_dispatch=token_dispatch)
 
         def layer_ce(c):
             i, w = router(x, w_router, K)
@@ -356,8 +339,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         t["layer_before"] = timed(layer_before)
         for c in args.chunks:
             t[f"layer_ours_c{c}"] = timed(lambda: layer_ours(c))
-            with token_dispatch():
-                t[f"layer_tokens_c{c}"] = timed(lambda: layer_ours(c))
+            t[f"layer_tokens_c{c}"] = timed(lambda: layer_ours(c, token_dispatch=True))
             if "copy_engine" in args.transports:
                 t[f"layer_ce_c{c}"] = timed(lambda: layer_ce(c))
         if args.trace and dev == "cuda":
@@ -368,21 +350,19 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
         varying_runs = 3 + ("copy_engine" in args.transports)
         variants = iter([x + 0.05 * torch.randn_like(x) for _ in range(args.warmup + args.reps)] * varying_runs)
 
-        def layer_varying(c):
+        def layer_varying(c, transport="nccl", token_dispatch=False):
             xv = next(variants)
             i, w = router(xv, w_router, K)
-            return overlapped_moe(xv, i, w, E, group, experts.run_rows, chunks=c)
+            return overlapped_moe(xv, i, w, E, group, experts.run_rows, chunks=c, transport=transport,
+                                  token_dispatch=token_dispatch)
 
         c_mid = args.chunks[len(args.chunks) // 2]
-        with transport("nccl"):
-            t[f"layer_ours_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
+        t[f"layer_ours_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
         if "copy_engine" in args.transports:
-            with transport("copy_engine"):
-                t[f"layer_ce_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
-        with segment_rule(0), transport("nccl"):
+            t[f"layer_ce_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid, transport="copy_engine"))
+        with experts_options(experts, segment_min_rows=0):
             t[f"layer_ours_c{c_mid}_varying_per_block"] = timed(lambda: layer_varying(c_mid))
-        with token_dispatch(), transport("nccl"):
-            t[f"layer_tokens_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid))
+        t[f"layer_tokens_c{c_mid}_varying"] = timed(lambda: layer_varying(c_mid, token_dispatch=True))
         variants = None  # free the inputs
         # SMs left to NCCL while the GEMMs run (cuBLASLt's SM count target), so the exchange can overlap them
         for sms in (n for n in args.carveouts if n and dev == "cuda"):
@@ -398,8 +378,7 @@ def bench_tokens(tokens: int, args, group, timed, dev) -> dict:
                 torch.backends.cuda.preferred_blas_library("default")
         y_before, y_ours = layer_before().float(), layer_ours(args.chunks[-1]).float()
         out["layer_max_abs_diff"] = float((y_ours - y_before).abs().max())
-        with token_dispatch():
-            y_tokens = layer_ours(args.chunks[-1]).float()
+        y_tokens = layer_ours(args.chunks[-1], token_dispatch=True).float()
         out["token_dispatch_identical_to_slot_rows"] = bool(torch.equal(y_tokens, y_ours))
         if "copy_engine" in args.transports:  # expert-major blocks: one GEMM per expert, not per (source, expert)
             for c in args.chunks:

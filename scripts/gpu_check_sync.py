@@ -28,12 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelopt_ext.ep import local, overlap
 from modelopt_ext.ep.dispatch import combine, dispatch
 from modelopt_ext.ep.overlap import overlapped_moe
 from modelopt_ext.formats.mxfp4 import quantize_mxfp4
-from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts, KimiK3PackedExperts
+from modelopt_ext.options import GLU_FORMS, ExpertsOptions
 
 T, H, I, E, K = 512, 1024, 768, 16, 8
 TOLERANCE = 2e-2  # max |gpu - cpu| / max |cpu|: bf16 inputs, weights and outputs against fp32
@@ -59,19 +58,19 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_one_process(seed: int) -> dict:
-    """Each GPU SiTU-GLU form of `experts.GLU_FORMS` (the Triton kernels and the compiled form)."""
+    """Each GPU SiTU-GLU form of `modelopt_ext.options.GLU_FORMS` (the Triton kernels and the compiled form)."""
     out = {}
-    for form in [f for f in experts_module.GLU_FORMS if f != "eager"]:
-        experts_module.GLU_ON_CUDA = form
-        out.update({f"{name}_{form}": v for name, v in _check_one_process(seed).items()})
-    experts_module.GLU_ON_CUDA = experts_module.GLU_FORMS[0]
+    for form in [f for f in GLU_FORMS if f != "eager"]:
+        out.update({f"{name}_{form}": v for name, v in _check_one_process(seed, form).items()})
     return out
 
 
-def _check_one_process(seed: int) -> dict:
+def _check_one_process(seed: int, form: str) -> dict:
     torch.manual_seed(seed)
     dense = KimiK3Experts(Config())
     packed = packed_from(dense)
+    for module in (dense, packed):
+        module.options = ExpertsOptions(glu_on_cuda=form)
     x = torch.randn(T, H)
     ids = torch.stack([torch.randperm(E + 1)[:K] for _ in range(T)])  # E itself: a slot routed elsewhere
     w = torch.rand(T, K)
@@ -118,23 +117,22 @@ def check_ep(group, seed: int) -> dict:
         # 7's JSON was taken while the token dispatch was the default: its "nccl_slots" rows are the slot rows.)
         for variant in ("nccl", "nccl_tokens", "copy_engine"):
             transport = "nccl" if variant == "nccl_tokens" else variant
-            for layout, min_rows in (("regrouped", local.SEGMENT_MIN_ROWS), ("per_block", 0)):
+            for layout, min_rows in (("regrouped", ExpertsOptions().segment_min_rows), ("per_block", 0)):
                 name = layout if variant == "nccl" else f"{layout}_{variant}"
-                saved, local.SEGMENT_MIN_ROWS = local.SEGMENT_MIN_ROWS, min_rows
-                saved_tokens, overlap.TOKEN_DISPATCH = overlap.TOKEN_DISPATCH, variant == "nccl_tokens"
+                gpu.options = ExpertsOptions(segment_min_rows=min_rows)
+                exchange = {"transport": transport, "token_dispatch": variant == "nccl_tokens"}
                 try:
-                    overlapped_moe(*args, transport=transport)  # compile and warm up
+                    overlapped_moe(*args, **exchange)  # compile and warm up
                     torch.cuda.synchronize()
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
                         torch.cuda.set_sync_debug_mode("warn")
                         try:
-                            got = overlapped_moe(*args, transport=transport)
+                            got = overlapped_moe(*args, **exchange)
                         finally:
                             torch.cuda.set_sync_debug_mode(0)
                 finally:
-                    local.SEGMENT_MIN_ROWS = saved
-                    overlap.TOKEN_DISPATCH = saved_tokens
+                    gpu.options = ExpertsOptions()
                 syncs = [str(c.message).splitlines()[0] for c in caught if "synchroniz" in str(c.message)]
                 out[name] = {"rel_error": rel_error(got, ref), "syncs": len(syncs), "sync_messages": syncs[:4]}
                 results[name] = got

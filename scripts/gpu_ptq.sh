@@ -20,7 +20,7 @@ export HF_HUB_OFFLINE=1 HF_MODULES_CACHE=/tmp/hf_modules
 python3 - <<'PY'
 import os
 import random
-lines = [l for l in open("modelopt_ext/models/kimi_k3/standin/corpus.txt").read().splitlines() if l.strip()]
+lines = [l for l in open("modelopt_ext/quant/corpus.txt").read().splitlines() if l.strip()]
 rng = random.Random(0)
 with open("/tmp/calib.txt", "w") as f:
     for _ in range(int(os.environ.get("CORPUS_COPIES", "60"))):
@@ -28,11 +28,13 @@ with open("/tmp/calib.txt", "w") as f:
         f.write("\n".join(lines) + "\n\n")
 PY
 ARGS="--model /tmp/mid --dataset /tmp/calib.txt --calib-size ${CALIB_SIZE:-64} --batch-size 4 --seq-len 2048 --no-progress --overwrite"
-# run NAME NPROC [MODULE.ATTR=VALUE ...]: one ptq (scripts/run_with.py applies the settings first; $EXTRA
-# holds more ptq flags).
+# run NAME NPROC [NAME=VALUE ...]: one ptq with those experts options (`--experts-option`; $EXTRA holds more ptq
+# flags).
 run() {
   local name=$1 n=$2; shift 2
-  python3 -m torch.distributed.run --standalone --nproc-per-node "$n" scripts/run_with.py "$@" -- ptq $ARGS ${EXTRA:-} \
+  local options=() o
+  for o in "$@"; do options+=(--experts-option "$o"); done
+  python3 -m torch.distributed.run --standalone --nproc-per-node "$n" -m modelopt_ext ptq $ARGS ${EXTRA:-} ${options[@]+"${options[@]}"} \
     --export-dir "/tmp/export_$name" --summary-json "$OUT/summary_$name.json" > "$OUT/ptq_$name.txt" 2>&1 \
     || { grep -v Warning "$OUT/ptq_$name.txt" | tail -40; exit 1; }
   echo "== $name"; grep -E "calibrate done|tokens/s|peak" "$OUT/ptq_$name.txt" | tail -4
@@ -54,15 +56,15 @@ for r in $(seq 1 "${REPEAT:-1}"); do
     run "ep${n}_$r" "$n"
     [ "${NOWARM:-0}" = 1 ] && EXTRA=--no-warmup run "ep${n}nowarm_$r" "$n"
   done
-  [ "${AB:-0}" = 1 ] && run "ep2base_$r" 2 modelopt_ext.ep.backend.PIPELINE=False
-  [ "${CE:-0}" = 1 ] && run "ep2ce_$r" 2 "modelopt_ext.ep.overlap.TRANSPORT='copy_engine'"
-  [ "${TOKENS:-0}" = 1 ] && run "ep2tokens_$r" 2 modelopt_ext.ep.overlap.TOKEN_DISPATCH=True
+  [ "${AB:-0}" = 1 ] && run "ep2base_$r" 2 pipeline=false
+  [ "${CE:-0}" = 1 ] && run "ep2ce_$r" 2 transport=copy_engine
+  [ "${TOKENS:-0}" = 1 ] && run "ep2tokens_$r" 2 token_dispatch=true
 done
 # PROFILE=1: one more run of each (64 blocks) with the calibration profiler (tables per rank under $OUT/prof_<name>/).
 if [ "${PROFILE:-0}" = 1 ]; then
   ARGS="${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 64}"
   for n in $EPS; do MODELOPT_EXT_PROFILE="$OUT/prof_ep$n" run "prof_ep$n" "$n"; done
-  [ "${AB:-0}" = 1 ] && MODELOPT_EXT_PROFILE="$OUT/prof_ep2base" run prof_ep2base 2 modelopt_ext.ep.backend.PIPELINE=False
+  [ "${AB:-0}" = 1 ] && MODELOPT_EXT_PROFILE="$OUT/prof_ep2base" run prof_ep2base 2 pipeline=false
 fi
 # CPROFILE=1: one more EP1 run (64 blocks) under cProfile, for the host cost of the conversion and the first
 # batch ($OUT/cprofile_ep1.prof; read with pstats).

@@ -1,5 +1,5 @@
-"""The measurement scripts under scripts/ keep working on the CPU: run_with's settings, and bench_ep's CPU
-smoke run on 2 gloo ranks (the GPU figures themselves come from the device runs in docs/performance.md)."""
+"""The measurement scripts under scripts/ keep working on the CPU: bench_ep's CPU smoke run on 2 gloo ranks
+(the GPU figures themselves come from the device runs in docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -13,42 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run_with():
-    spec = importlib.util.spec_from_file_location("run_with", ROOT / "scripts" / "run_with.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_run_with_applies_settings_and_refuses_bad_ones(monkeypatch):
-    from modelopt_ext.ep import backend
-
-    run_with = _run_with()
-    monkeypatch.setattr(backend, "PIPELINE", True)
-    run_with.apply("modelopt_ext.ep.backend.PIPELINE=False")
-    assert backend.PIPELINE is False
-    for bad, message in (("modelopt_ext.ep.backend.PIPELIN=False", "has no attribute 'PIPELIN'"),
-                         ("PIPELINE=False", "is not MODULE.ATTRIBUTE=VALUE"),
-                         ("modelopt_ext.ep.backend.PIPELINE=off", "is not a Python literal")):
-        with pytest.raises(SystemExit, match=message):
-            run_with.apply(bad)
-
-
-def test_run_with_passes_the_rest_to_the_cli(monkeypatch):
-    from modelopt_ext.models.kimi_k3 import experts
-
-    run_with = _run_with()
-    calls = []
-    monkeypatch.setattr("modelopt_ext.cli.main", lambda argv: calls.append(argv) or 0)
-    monkeypatch.setattr(experts, "GROUPED_STATISTICS", "cuda")
-    assert run_with.main(["modelopt_ext.models.kimi_k3.experts.GROUPED_STATISTICS='never'", "ptq", "--model", "m"]) == 0
-    assert experts.GROUPED_STATISTICS == "never"
-    run_with.main(["--", "verify", "x"])  # a separating -- (when the launcher keeps it) is dropped
-    assert calls == [["ptq", "--model", "m"], ["verify", "x"]]
-    with pytest.raises(SystemExit, match="usage"):
-        run_with.main(["modelopt_ext.models.kimi_k3.experts.GROUPED_STATISTICS='never'"])
 
 
 def test_bench_ep_cpu_smoke(tmp_path):

@@ -14,13 +14,12 @@ import contextlib
 import torch
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
+from modelopt_ext.options import options_of
+
 from .dispatch import combine, dispatch
 from .overlap import overlapped_moe
 
 NAME = "torch_a2a"
-
-# False: every call takes dispatch -> the experts' class forward -> combine (the pipeline's A/B baseline).
-PIPELINE = True
 
 
 def run_local_experts(experts: torch.nn.Module, x_RH, ids_R, weights_R) -> torch.Tensor:
@@ -39,7 +38,8 @@ class TorchA2AEP(EPImplementation):
         self.group = ep_mesh.get_group()
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        pipeline_rows = getattr(self.experts, "pipeline_rows", None) if PIPELINE else None
+        options = options_of(self.experts)  # pipeline off: dispatch -> class forward -> combine (the A/B baseline)
+        pipeline_rows = getattr(self.experts, "pipeline_rows", None) if options.pipeline else None
         run_rows = pipeline_rows(hidden_states) if pipeline_rows is not None else None
         if run_rows is not None:
             # Plain GPU inference or max calibration: the exchange overlapped with the local experts, which run
@@ -48,7 +48,8 @@ class TorchA2AEP(EPImplementation):
             materialized = getattr(self.experts, "materialized", None)
             with materialized(hidden_states.dtype) if materialized is not None else contextlib.nullcontext():
                 return overlapped_moe(hidden_states, top_k_index, top_k_weights, self.num_local_experts,
-                                      self.group, run_rows)
+                                      self.group, run_rows, chunks=options.chunks, transport=options.transport,
+                                      token_dispatch=options.token_dispatch)
         recv_x, recv_ids, meta = dispatch(hidden_states, top_k_index, self.num_local_experts, self.group)
         ones = torch.ones(recv_ids.shape[0], dtype=recv_x.dtype, device=recv_x.device)
         if recv_x.shape[0] == 0:

@@ -84,10 +84,9 @@ def project(x_SL: torch.Tensor, w_ENL: torch.Tensor, offs_E: torch.Tensor | None
     return _grouped_mm(x_SL, w_ENL.transpose(-2, -1), offs_E)
 
 
-# Rows per tile on the segment path (0: whole segments). With tiles, each tile's gate/up output is consumed by
-# the activation and the down projection right after its GEMM, while it is still in L2 (60 MB on an H200),
-# instead of a full-size round trip through HBM.
-ROW_TILE = 0
+# Rows per tile on the segment path (`ExpertsOptions.row_tile`; 0: whole segments). With tiles, each tile's
+# gate/up output is consumed by the activation and the down projection right after its GEMM, while it is still
+# in L2 (60 MB on an H200), instead of a full-size round trip through HBM.
 
 
 def _tiled_mlp(x_SL, gate_up_E2IL, down_ELI, act, segments: Sequence[Segment], tile: int) -> torch.Tensor:
@@ -102,30 +101,29 @@ def _tiled_mlp(x_SL, gate_up_E2IL, down_ELI, act, segments: Sequence[Segment], t
 
 def expert_mlp(x_SL: torch.Tensor, gate_up_E2IL: torch.Tensor, down_ELI: torch.Tensor,
                act: Callable[[torch.Tensor], torch.Tensor], offs_E: torch.Tensor | None = None,
-               segments: Sequence[Segment] | None = None, row_tile: int | None = None) -> torch.Tensor:
+               segments: Sequence[Segment] | None = None, row_tile: int = 0) -> torch.Tensor:
     """down(act(gate_up(x))) per expert on grouped rows (see module doc for `offs_E` / `segments`)."""
-    tile = ROW_TILE if row_tile is None else row_tile
-    if segments is not None and tile:
-        return _tiled_mlp(x_SL, gate_up_E2IL, down_ELI, act, segments, tile)
+    if segments is not None and row_tile:
+        return _tiled_mlp(x_SL, gate_up_E2IL, down_ELI, act, segments, row_tile)
     h_SI = act(project(x_SL, gate_up_E2IL, offs_E, segments))
     return project(h_SI, down_ELI, offs_E, segments)
 
 
-# On CUDA, segments run as one cuBLAS GEMM each when they hold at least this many rows on average; smaller
-# ones are regrouped expert-major (`regroup`) for one `torch._grouped_mm` per projection. A cuBLAS call with a
-# row count it has not seen costs ~170 us of host time (its kernel heuristics; measured in calibration, where
-# every batch routes differently), more than the GPU time of a GEMM of a few thousand rows at these widths,
-# so small segments leave the GPU waiting for the host. See docs/performance.md.
-SEGMENT_MIN_ROWS = 4096
+# On CUDA, segments run as one cuBLAS GEMM each when they hold at least `min_rows` rows on average
+# (`ExpertsOptions.segment_min_rows`, 4096); smaller ones are regrouped expert-major (`regroup`) for one
+# `torch._grouped_mm` per projection. A cuBLAS call with a row count it has not seen costs ~170 us of host time
+# (its kernel heuristics; measured in calibration, where every batch routes differently), more than the GPU time
+# of a GEMM of a few thousand rows at these widths, so small segments leave the GPU waiting for the host. See
+# docs/performance.md.
 
 
-def use_segment_gemms(segments: Sequence[Segment], device: torch.device) -> bool:
+def use_segment_gemms(segments: Sequence[Segment], device: torch.device, min_rows: int) -> bool:
     """Whether `segments` should run as per-segment GEMMs (always on CPUs, where that keeps every row's
-    result independent of the blocks; see MIN_ROWS) rather than regrouped."""
+    result independent of the blocks; see above) rather than regrouped."""
     if device.type != "cuda":
         return True
     sizes = [rows for _, _, rows in segments if rows]
-    return not sizes or sum(sizes) / len(sizes) >= SEGMENT_MIN_ROWS
+    return not sizes or sum(sizes) / len(sizes) >= min_rows
 
 
 def _pinned(values: list[int], device: torch.device, dtype=torch.int64) -> torch.Tensor:

@@ -15,8 +15,8 @@ contiguous and the local experts run on the received buffer in place (`local.blo
 gather; per chunk, per local expert, per source rank through the copy engines, so each expert's rows are one
 segment.
 
-The rows move through a link (`TRANSPORT`): NCCL's `all_to_all_single` (`NcclLink`), or copy engines into
-peer-mapped memory (`ep.copy_engine.CopyEngineLink`, CUDA ranks of one host), which leave the SMs to the
+The rows move through a link (`ExpertsOptions.transport`): NCCL's `all_to_all_single` (`NcclLink`), or copy
+engines into peer-mapped memory (`ep.copy_engine.CopyEngineLink`, CUDA ranks of one host), which leave the SMs to the
 experts' GEMMs. A link gives the call's sizes (`layout`, the one host sync), the receive and return buffers,
 and the two asynchronous steps per chunk (`send`, `send_back`) whose results the compute stream waits for.
 """
@@ -33,31 +33,23 @@ import torch
 import torch.distributed as dist
 
 from modelopt_ext.faults import mark_exchange
+from modelopt_ext.options import DEFAULT, TRANSPORTS
 
 from .dispatch import count_ids, inverse_permutation
 from .local import Segment, block_segments, gather_weighted_sum
 
-# Chunks of the rank's tokens (C above). 1 exchanges everything, then computes, then exchanges back.
-CHUNKS = 2
-
-# How rows move between ranks: "nccl" (all_to_all_single on the process group's stream), "copy_engine"
-# (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host) or "auto": the copy engines
-# for CUDA tokens when every rank of the job runs on this host (torchrun's LOCAL_WORLD_SIZE equals
-# WORLD_SIZE), NCCL otherwise. Measured side by side (docs/performance.md, session 5): the copy engines win
-# for large layers (16,384 tokens a rank) and lose for calibration-sized ones (8,192 tokens, top-8), where
-# their per-block copies cost more than they hide; so NCCL stays the default.
-TRANSPORT = "nccl"
-TRANSPORTS = ("auto", "nccl", "copy_engine")
-
-# Through NCCL, send each token once per destination rank and rebuild its slot rows on the receiver
-# (`ep.token_link`: fewer bytes on the link, the same results) instead of one row per slot.
-TOKEN_DISPATCH = False
+# How rows move between ranks (`ExpertsOptions.transport`): "nccl" (all_to_all_single on the process group's
+# stream), "copy_engine" (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host) or
+# "auto": the copy engines for CUDA tokens when every rank of the job runs on this host (torchrun's
+# LOCAL_WORLD_SIZE equals WORLD_SIZE), NCCL otherwise. Measured side by side (docs/performance.md, session 5): the
+# copy engines win for large layers (16,384 tokens a rank) and lose for calibration-sized ones (8,192 tokens,
+# top-8), where their per-block copies cost more than they hide; so NCCL is the default.
 
 
-def resolve_transport(transport: str | None, x_TH: torch.Tensor) -> str:
-    """The link a call takes: `transport` (default `TRANSPORT`) with "auto" decided as above. The same on every
-    rank of a job (same settings, same environment, tokens on the same kind of device)."""
-    name = transport or TRANSPORT
+def resolve_transport(transport: str, x_TH: torch.Tensor) -> str:
+    """The link a call takes: `transport` with "auto" decided as above. The same on every rank of a job (same
+    options, same environment, tokens on the same kind of device)."""
+    name = transport
     if name not in TRANSPORTS:
         raise ValueError(f"EP transport {name!r}; expected one of {TRANSPORTS}")
     if name != "auto":
@@ -153,9 +145,9 @@ class NcclLink(Link):
                                       lay.recv_sizes[c], group=self.group, async_op=True)
 
 
-def _link(transport: str | None, group, x_TH: torch.Tensor, num_local_experts: int):
+def _link(transport: str, token_dispatch: bool, group, x_TH: torch.Tensor, num_local_experts: int):
     if resolve_transport(transport, x_TH) == "nccl":
-        if not TOKEN_DISPATCH:
+        if not token_dispatch:
             return NcclLink(group)
         from .token_link import TokenLink
 
@@ -171,23 +163,23 @@ def _token_chunks(T: int, chunks: int, device) -> torch.Tensor:
 
 
 def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_local_experts: int,
-                   group, run_rows: RunRows, chunks: int | None = None, transport: str | None = None
-                   ) -> torch.Tensor:
+                   group, run_rows: RunRows, chunks: int = DEFAULT.chunks, transport: str = DEFAULT.transport,
+                   token_dispatch: bool = DEFAULT.token_dispatch) -> torch.Tensor:
     """[T, H]: each token's K expert outputs (computed on the experts' owner ranks) weighted and summed.
 
     Args:
         x_TH: this rank's tokens; ids_TK: int64 global expert ids in [0, W*E); weights_TK: routing weights.
         run_rows: `(rows [R, H], segments) -> [R, H_out]` the local experts on received rows, row order kept.
-        chunks: C (default `CHUNKS`); the same on every rank of the group, whatever its T.
-        transport: how rows move (default `TRANSPORT`, see `TRANSPORTS`); the same on every rank.
+        chunks: C; the same on every rank of the group, whatever its T.
+        transport, token_dispatch: how rows move (`modelopt_ext.options.ExpertsOptions`); the same on every rank.
     """
     if torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad):
         raise RuntimeError("overlapped_moe is inference-only (no autograd through its exchanges); "
                            "call it under torch.no_grad() or use ep.dispatch")
-    C = chunks or CHUNKS  # every rank must use the same C (one exchange per chunk); chunks may be empty
+    C = chunks  # every rank must use the same C (one exchange per chunk); chunks may be empty
     if C < 1:
         raise ValueError(f"chunks must be >= 1, got {C}")
-    link = _link(transport, group, x_TH, num_local_experts)
+    link = _link(transport, token_dispatch, group, x_TH, num_local_experts)
     mark_exchange()
     W, E = dist.get_world_size(group), num_local_experts
     T, K = ids_TK.shape

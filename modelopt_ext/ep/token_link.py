@@ -1,4 +1,4 @@
-"""The NCCL exchange with each token sent once per destination rank (`overlap.TOKEN_DISPATCH`).
+"""The NCCL exchange with each token sent once per destination rank (`ExpertsOptions.token_dispatch`).
 
 Shapes: T tokens on this rank, K top-k, S = T*K slots, W ranks, E local experts, C chunks, H row width,
 N token rows sent, R slot rows received.

@@ -20,7 +20,7 @@ input once, computes in fp32 registers and writes the 16-bit product once. Three
   special-function-unit operations per element. Same measurement: 1.21 ms, but up to ~250 bf16 ulps from the
   float64 formula at small values.
 
-`experts.GLU_ON_CUDA` picks the form the experts use ("triton" = "exp2").
+The experts option `glu_on_cuda` (`modelopt_ext.options`) picks the form the experts use ("triton" = "exp2").
 """
 
 from __future__ import annotations

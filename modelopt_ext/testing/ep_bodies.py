@@ -63,16 +63,12 @@ def combine_bf16_by_hand(rank: int, world_size: int):
         return result
 
     pipelined = {}
-    saved = overlap.TOKEN_DISPATCH
-    try:
-        for token_dispatch in (False, True):
-            overlap.TOKEN_DISPATCH = token_dispatch
-            for chunks in (1, 2):
-                with torch.no_grad():
-                    got = overlap.overlapped_moe(x, ids, w, 2, group, run_rows, chunks=chunks)
-                pipelined[f"token_dispatch={token_dispatch},chunks={chunks}"] = got
-    finally:
-        overlap.TOKEN_DISPATCH = saved
+    for token_dispatch in (False, True):
+        for chunks in (1, 2):
+            with torch.no_grad():
+                got = overlap.overlapped_moe(x, ids, w, 2, group, run_rows, chunks=chunks,
+                                             token_dispatch=token_dispatch)
+            pipelined[f"token_dispatch={token_dispatch},chunks={chunks}"] = got
     return {"out": out, "pipelined": pipelined}
 
 def _force_routing(model, experts: list[int]) -> None:
@@ -331,15 +327,14 @@ def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str, g
     `grouped_statistics="always"` takes the overlapped pipeline on the CPU (rank 1 then receives no rows)."""
     import modelopt.torch.quantization as mtq
 
-    from modelopt_ext.models.kimi_k3 import experts as experts_module
-
-    experts_module.GROUPED_STATISTICS = grouped_statistics
     from modelopt_ext.families import families
+    from modelopt_ext.options import ExpertsOptions
     from modelopt_ext.quant.calibrate import calibrate
 
     spec = families()["kimi_k3"]
     model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense="replicate", trust_remote_code=True,
-                                         dtype=torch.float32, experts_implementation="batched_mm")
+                                         dtype=torch.float32, experts_implementation="batched_mm",
+                                         experts_options=ExpertsOptions(grouped_statistics=grouped_statistics))
     _force_routing(model, [0, 1, 2, 3])
     batches = [{"input_ids": torch.randint(13, 500, (2, 12), generator=torch.Generator().manual_seed(400 + rank))}]
     from modelopt_ext.testing.export_bodies import counting_pipelined_calls
@@ -391,28 +386,40 @@ def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int], token_dis
         links.append(make_link(*args))
         return links[-1]
 
-    saved = overlap.TOKEN_DISPATCH
-    overlap.TOKEN_DISPATCH, overlap._link = token_dispatch, recording_link
+    overlap._link = recording_link
     try:
         with torch.no_grad():
             for c in chunks:
-                got = overlap.overlapped_moe(x, ids, w, E, group, run_rows, chunks=c)
+                got = overlap.overlapped_moe(x, ids, w, E, group, run_rows, chunks=c, token_dispatch=token_dispatch)
                 identical[str(c)] = bool(torch.equal(got, want))
                 token_rows[str(c)] = getattr(links[-1], "token_send_off", [None])[-1]
     finally:
-        overlap.TOKEN_DISPATCH, overlap._link = saved, make_link
+        overlap._link = make_link
     distinct = int(sum(len(set((ids[t] // E).tolist())) for t in range(tokens)))
     return {"identical": identical, "segments_cover_rows": seen["ok"], "shapes_ok": tuple(want.shape) == (tokens, H),
             "token_rows": token_rows, "distinct_token_ranks": distinct, "slots": tokens * K}
 
 
-def overlap_path_logits(rank: int, world_size: int, ckpt: str):
+def overlap_path_logits(rank: int, world_size: int, ckpt: str, options: dict | None = None):
     """Logits of an EP model whose `torch_a2a` takes the GPU inference path (`ep.overlap` + `run_rows`), forced
-    here on the CPU by making `fast_path` true, against the usual dispatch/combine path of the same model."""
+    here on the CPU by making `fast_path` true, against the usual dispatch/combine path of the same model;
+    `options` (ExpertsOptions fields) go to from_pretrained, and the exchange settings each `overlapped_moe`
+    call of the backend received are recorded."""
+    from modelopt_ext.ep import backend
     from modelopt_ext.models.kimi_k3 import experts as experts_module
+    from modelopt_ext.options import ExpertsOptions
 
-    kwargs = {"trust_remote_code": True, "dtype": torch.float32}
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32,
+              "experts_options": ExpertsOptions(**(options or {}))}
     model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, **kwargs)
+    exchanges = []
+    original_moe = backend.overlapped_moe
+
+    def recording_moe(*args, **kw):
+        exchanges.append({k: kw[k] for k in ("chunks", "transport", "token_dispatch")})
+        return original_moe(*args, **kw)
+
+    backend.overlapped_moe = recording_moe
     ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + rank))
     taken = {"n": 0}
 
@@ -428,7 +435,9 @@ def overlap_path_logits(rank: int, world_size: int, ckpt: str):
             overlapped = model(input_ids=ids, use_cache=False).logits
         finally:
             experts_module._FusedExpertsBase.fast_path = original
-    return {"usual": usual, "overlapped": overlapped, "fast_path_calls": taken["n"]}
+            backend.overlapped_moe = original_moe
+    return {"usual": usual, "overlapped": overlapped, "fast_path_calls": taken["n"], "exchanges": exchanges,
+            "plan_options": model.modelopt_ext_plan.experts_options.to_dict()}
 
 
 def calibrate_algorithm_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str,

@@ -27,20 +27,19 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
                          batches: int = CALIB_BATCHES, grouped_statistics: str | None = None,
                          expert_input_scales: str = "shared", dtype: str = "float32"):
     """Load (EP when `dense` is given) in `dtype` (a torch dtype name), calibrate `recipe` (max) on this
-    rank's batches, export to `out`. `grouped_statistics` sets `experts.GROUPED_STATISTICS` in this process
-    ("always": the grouped statistics path, and under EP the overlapped pipeline with `run_rows_collecting`,
-    on the CPU)."""
+    rank's batches, export to `out`. `grouped_statistics` is the experts option
+    (`ExpertsOptions.grouped_statistics`; "always": the grouped statistics path, and under EP the overlapped
+    pipeline with `run_rows_collecting`, on the CPU)."""
     from modelopt_ext.export.writer import export_checkpoint
     from modelopt_ext.families import families
+    from modelopt_ext.options import ExpertsOptions
     from modelopt_ext.quant.calibrate import calibrate
     from modelopt_ext.quant.recipes import quant_config
 
-    if grouped_statistics is not None:
-        from modelopt_ext.models.kimi_k3 import experts
-
-        experts.GROUPED_STATISTICS = grouped_statistics
     spec = families()["kimi_k3"]
     kwargs = {"trust_remote_code": True, "dtype": getattr(torch, dtype)}
+    if grouped_statistics is not None:
+        kwargs["experts_options"] = ExpertsOptions(grouped_statistics=grouped_statistics)
     if dense is not None:
         kwargs.update(ep_size=world_size, dense=dense)
     model = modelopt_ext.from_pretrained(ckpt, **kwargs)

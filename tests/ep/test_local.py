@@ -5,6 +5,7 @@ import torch
 
 from modelopt_ext.ep import local
 from modelopt_ext.ep.dispatch import inverse_permutation, weighted_sum
+from modelopt_ext.options import ExpertsOptions
 
 E, L, I = 4, 32, 24
 
@@ -100,10 +101,12 @@ def test_regroup_refuses_unknown_experts():
 
 
 def test_segment_gemms_only_for_large_segments_on_gpus():
-    big, small = [(0, 0, local.SEGMENT_MIN_ROWS), (1, local.SEGMENT_MIN_ROWS, 0)], [(0, 0, 8), (1, 8, 8)]
+    min_rows = ExpertsOptions().segment_min_rows
+    big, small = [(0, 0, min_rows), (1, min_rows, 0)], [(0, 0, 8), (1, 8, 8)]
     cuda = torch.device("cuda")
-    assert local.use_segment_gemms(big, cuda) and not local.use_segment_gemms(small, cuda)
-    assert local.use_segment_gemms(small, torch.device("cpu"))  # CPUs keep per-block GEMMs (exact rows)
+    assert local.use_segment_gemms(big, cuda, min_rows) and not local.use_segment_gemms(small, cuda, min_rows)
+    assert local.use_segment_gemms(small, cuda, 8) and not local.use_segment_gemms(small, cuda, 9)
+    assert local.use_segment_gemms(small, torch.device("cpu"), min_rows)  # CPUs keep per-block GEMMs (exact rows)
 
 
 def test_expert_major_offsets_only_for_expert_major_layouts():

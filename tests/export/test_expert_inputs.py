@@ -68,15 +68,12 @@ def _scales(export, layer: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("grouped_statistics", ["never", "always"])
-def test_each_expert_gets_the_scale_of_its_own_inputs(source, tmp_path, grouped_statistics, monkeypatch):
+def test_each_expert_gets_the_scale_of_its_own_inputs(source, tmp_path, grouped_statistics):
     """The eager per-expert loop and the grouped statistics path (offs_E rows) both record each expert's inputs:
     its exported scale is its own amax / 2688, w1 and w3 share it, and the max over experts is the layer's."""
-    from modelopt_ext.models.kimi_k3 import experts
-
     reference = _reference_amax(source)
-    monkeypatch.setattr(experts, "GROUPED_STATISTICS", grouped_statistics)
     result = calibrate_and_export(0, 1, str(source), str(tmp_path / "out"), RECIPE, batches=2,
-                                  expert_input_scales="per-expert")
+                                  expert_input_scales="per-expert", grouped_statistics=grouped_statistics)
     seen = {layer: torch.isfinite(reference[layer][0]) for layer in MOE_LAYERS}
     assert result.expert_inputs_own == 2 * sum(int(s.sum()) for s in seen.values())
     assert result.expert_inputs_shared == tuple(sorted(

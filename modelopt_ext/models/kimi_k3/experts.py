@@ -41,21 +41,16 @@ from modelopt_ext.ep.local import (
     use_segment_gemms,
 )
 from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4, dequantize_mxfp4_fused
+from modelopt_ext.options import DEFAULT, GLU_FORMS, ExpertsOptions
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-# While ModelOpt max-calibrates (its quantizers only collect statistics), CUDA runs the experts as grouped
-# GEMMs with each projection's input quantizer shown all rows at once (`_grouped_statistics_forward`, and under
-# EP `run_rows_collecting` inside the overlapped exchange) instead of ModelOpt's per-expert F.linear loop.
-# "cuda" (default), "always" (tests on CPU), "never".
-GROUPED_STATISTICS = "cuda"
-
-# Plain inference on CUDA (no quantizers, no autograd, bf16) runs `_grouped_forward`: sync-free grouped GEMMs
-# instead of the per-expert loop. False keeps the eager reference everywhere.
-FAST_ON_CUDA = True
+# How the experts run (grouped statistics while ModelOpt max-calibrates, the sync-free grouped path for plain
+# CUDA inference, the activation's form on CUDA, segment GEMMs vs regrouping) is each module's `options`
+# (`modelopt_ext.options.ExpertsOptions`, set by `set_experts_options`); the class default is the defaults.
 
 
 def _situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -64,43 +59,42 @@ def _situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linea
     return act.to(gate.dtype)
 
 
-# How the activation runs on CUDA (`scripts/bench_ep.py` measures the forms side by side; docs/performance.md):
-# the "triton*" forms are `kernels.situ_glu` (reads the 16-bit gate/up output once, fp32 in registers, writes the
-# 16-bit product): "triton" its "exp2" form (tanh and sigmoid from exp2, one reciprocal per element; within 0.5
-# bf16 ulp of the float64 formula, on CPU through its mirror `kernels.situ_glu_math` and on H200s, where it is
-# about 35% faster than the libdevice form),
-# "triton-libdevice" its "libdevice" form (libdevice tanh: as accurate, compute-bound; what "triton" named
-# before the exp2 form), "triton-approx" its "approx" form (the GPU's tanh.approx instruction: up to ~250 bf16
-# ulps off at small values); "compile" (`torch.compile` of the fp32 reference), "eager" (the reference: ~10
-# elementwise passes over fp32 temporaries).
-GLU_ON_CUDA = "triton"
-GLU_FORMS = ("triton", "triton-libdevice", "triton-approx", "compile", "eager")
+# The activation's forms on CUDA (`ExpertsOptions.glu_on_cuda`; `scripts/bench_ep.py` measures them side by
+# side; docs/performance.md): the "triton*" forms are `kernels.situ_glu` (reads the 16-bit gate/up output once,
+# fp32 in registers, writes the 16-bit product): "triton" its "exp2" form (tanh and sigmoid from exp2, one
+# reciprocal per element; within 0.5 bf16 ulp of the float64 formula, on CPU through its mirror
+# `kernels.situ_glu_math` and on H200s, where it is about 35% faster than the libdevice form),
+# "triton-libdevice" its "libdevice" form (libdevice tanh: as accurate, compute-bound), "triton-approx" its
+# "approx" form (the GPU's tanh.approx instruction: up to ~250 bf16 ulps off at small values); "compile"
+# (`torch.compile` of the fp32 reference), "eager" (the reference: ~10 elementwise passes over fp32 temporaries).
 _KERNEL_FORMS = {"triton": "exp2", "triton-libdevice": "libdevice", "triton-approx": "approx"}
 _compiled_situ_glu = None
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float,
+             form: str = DEFAULT.glu_on_cuda) -> torch.Tensor:
     """SiTU-GLU in fp32, cast back: `beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`; compiled
-    on CUDA when `GLU_ON_CUDA` is "compile"."""
+    on CUDA when `form` is "compile"."""
     global _compiled_situ_glu
-    if GLU_ON_CUDA == "compile" and gate.is_cuda and not torch.compiler.is_compiling():
+    if form == "compile" and gate.is_cuda and not torch.compiler.is_compiling():
         if _compiled_situ_glu is None:
             _compiled_situ_glu = torch.compile(_situ_glu_reference, dynamic=True, fullgraph=True)
         return _compiled_situ_glu(gate, up, beta, linear_beta)
     return _situ_glu_reference(gate, up, beta, linear_beta)
 
 
-def apply_situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """[S, 2I] gate/up output (w1 half, then w3 half) -> [S, I] SiTU-GLU, in the form `GLU_ON_CUDA` names on
-    CUDA (see above) and the fp32 reference elsewhere."""
-    if GLU_ON_CUDA not in GLU_FORMS:
-        raise ValueError(f"GLU_ON_CUDA is {GLU_ON_CUDA!r}; expected one of {GLU_FORMS}")
-    if gate_up_S2I.is_cuda and GLU_ON_CUDA in _KERNEL_FORMS and not torch.compiler.is_compiling():
+def apply_situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float,
+                   form: str = DEFAULT.glu_on_cuda) -> torch.Tensor:
+    """[S, 2I] gate/up output (w1 half, then w3 half) -> [S, I] SiTU-GLU, in the form `form` names on CUDA (see
+    above) and the fp32 reference elsewhere."""
+    if form not in GLU_FORMS:
+        raise ValueError(f"SiTU-GLU form {form!r}; expected one of {GLU_FORMS}")
+    if gate_up_S2I.is_cuda and form in _KERNEL_FORMS and not torch.compiler.is_compiling():
         from modelopt_ext.kernels.situ_glu import situ_glu as kernel
 
-        return kernel(gate_up_S2I, beta, linear_beta, form=_KERNEL_FORMS[GLU_ON_CUDA])
+        return kernel(gate_up_S2I, beta, linear_beta, form=_KERNEL_FORMS[form])
     gate, up = gate_up_S2I.chunk(2, dim=-1)
-    return situ_glu(gate, up, beta, linear_beta)
+    return situ_glu(gate, up, beta, linear_beta, form)
 
 
 @contextlib.contextmanager
@@ -117,6 +111,8 @@ def _amax_of_expert(quantizer, amax_E: torch.Tensor | None, e: int):
 
 
 class _FusedExpertsBase(nn.Module):
+    options: ExpertsOptions = DEFAULT  # set per instance by `modelopt_ext.options.set_experts_options`
+
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.num_experts
@@ -165,7 +161,7 @@ class _FusedExpertsBase(nn.Module):
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         """[S, 2I] -> [S, I]: SiTU-GLU of the w1 half and the w3 half."""
-        return apply_situ_glu(gate_up_out, self.situ_beta, self.situ_linear_beta)
+        return apply_situ_glu(gate_up_out, self.situ_beta, self.situ_linear_beta, self.options.glu_on_cuda)
 
     @contextlib.contextmanager
     def materialized(self, dtype: torch.dtype):
@@ -178,14 +174,14 @@ class _FusedExpertsBase(nn.Module):
 
     def fast_path(self, hidden_states: torch.Tensor) -> bool:
         """The grouped GPU path applies: CUDA, 16-bit rows, no autograd, no ModelOpt quantizers."""
-        return (FAST_ON_CUDA and hidden_states.is_cuda and hidden_states.dtype == torch.bfloat16
+        return (self.options.fast_on_cuda and hidden_states.is_cuda and hidden_states.dtype == torch.bfloat16
                 and not torch.is_grad_enabled() and self._quantizer_free())
 
     def _regrouped(self, fn, x_SL: torch.Tensor, segments: list[Segment] | None):
         """`fn` on `segments` rows regrouped expert-major (one grouped GEMM per projection) when
         `ep.local.use_segment_gemms` says the segments are too small for a GEMM each (in place when they are
         expert-major already); None otherwise."""
-        if segments is None or use_segment_gemms(segments, x_SL.device):
+        if segments is None or use_segment_gemms(segments, x_SL.device, self.options.segment_min_rows):
             return None
         offs_E = expert_major_offsets(segments, self.num_experts, x_SL.shape[0], x_SL.device)
         if offs_E is not None:  # already expert-major (the copy-engine exchange's layout): no gathers
@@ -201,7 +197,7 @@ class _FusedExpertsBase(nn.Module):
             return regrouped
         with self.materialized(x_SL.dtype):
             return expert_mlp(x_SL, _local(self.gate_up_proj), _local(self.down_proj), self._apply_gate, offs_E,
-                              segments)
+                              segments, self.options.row_tile)
 
     def run_rows_collecting(self, x_SL: torch.Tensor, segments: list[Segment] | None = None,
                             offs_E: torch.Tensor | None = None, valid_S1: torch.Tensor | None = None) -> torch.Tensor:
@@ -260,8 +256,9 @@ class _FusedExpertsBase(nn.Module):
         return not any(getattr(q, "is_enabled", False) and getattr(q, "_if_quant", False) for q in (*inputs, *weights))
 
     def _grouped_statistics_on(self, hidden_states: torch.Tensor) -> bool:
-        """ModelOpt only collects max statistics and `GROUPED_STATISTICS` allows the grouped path here."""
-        mode_allows = GROUPED_STATISTICS == "always" or (GROUPED_STATISTICS == "cuda" and hidden_states.is_cuda)
+        """ModelOpt only collects max statistics and `options.grouped_statistics` allows the grouped path here."""
+        mode = self.options.grouped_statistics
+        mode_allows = mode == "always" or (mode == "cuda" and hidden_states.is_cuda)
         return mode_allows and self._collecting_statistics()
 
     def _grouped_statistics_forward(self, hidden_states, top_k_index, top_k_weights):

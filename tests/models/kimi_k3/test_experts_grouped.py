@@ -42,7 +42,7 @@ def test_run_rows_segments_equal_grouped_offsets():
 
 
 def test_small_segments_run_regrouped_with_the_same_result(monkeypatch):
-    """[source][expert] blocks below SEGMENT_MIN_ROWS (forced here on the CPU) are regrouped expert-major for
+    """[source][expert] blocks below `ExpertsOptions.segment_min_rows` (forced here on the CPU) are regrouped expert-major for
     the grouped GEMMs and put back in block order: the same rows as one GEMM per block."""
     W13, W2, x = random_weights(6)
     module = dense_experts(W13, W2, "eager")
@@ -52,7 +52,7 @@ def test_small_segments_run_regrouped_with_the_same_result(monkeypatch):
     with torch.no_grad():
         per_block = module.run_rows(xs, segments)
         calls = []
-        monkeypatch.setattr(experts_module, "use_segment_gemms", lambda seg, dev: calls.append(1) and False)
+        monkeypatch.setattr(experts_module, "use_segment_gemms", lambda seg, dev, min_rows: calls.append(1) and False)
         regrouped = module.run_rows(xs, segments)
     assert calls, "the regrouped path was not taken"
     torch.testing.assert_close(regrouped, per_block, rtol=1e-5, atol=1e-6)

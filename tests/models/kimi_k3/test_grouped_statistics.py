@@ -10,6 +10,7 @@ import torch
 
 import modelopt_ext
 from modelopt_ext.models.kimi_k3 import experts as experts_module
+from modelopt_ext.options import ExpertsOptions, set_experts_options
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 
 
@@ -18,7 +19,7 @@ def _calibrate(model, mode, monkeypatch):
 
     from modelopt_ext.quant.recipes import quant_config
 
-    monkeypatch.setattr(experts_module, "GROUPED_STATISTICS", mode)
+    set_experts_options(model, ExpertsOptions(grouped_statistics=mode))
     calls = []
     original = experts_module._FusedExpertsBase._grouped_statistics_forward
 
