@@ -41,9 +41,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelopt_ext.ep import local, overlap
+from modelopt_ext.ep import local
 from modelopt_ext.ep.backend import run_local_experts
 from modelopt_ext.ep.dispatch import combine, count_ids, dispatch, inverse_permutation
+from modelopt_ext.ep.link import Routing
 from modelopt_ext.ep.overlap import overlapped_moe
 from modelopt_ext.ep.token_link import TokenLink
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_fused
@@ -169,7 +170,7 @@ def token_split_sizes(ids, E: int, group) -> tuple[list[int], list[int]]:
     moves."""
     W = dist.get_world_size(group)
     chunk_T = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-    routing = overlap.Routing(ids, torch.argsort(ids.reshape(-1), stable=True), chunk_T, 1)
+    routing = Routing(ids, torch.argsort(ids.reshape(-1), stable=True), chunk_T, 1)
     send = TokenLink(group, E)._plan_tokens(routing, W)[0]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)

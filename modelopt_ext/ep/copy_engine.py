@@ -34,8 +34,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .link import Layout, Link
 from .local import block_rows
-from .overlap import Layout, Link
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class CopyEngineLink(Link):
         self.peer_stream = _side_stream(self.device)
 
     def layout(self, send_WCE: torch.Tensor, routing=None):
-        """Every rank's counts (one all_gather, one host read) -> this call's `overlap.Layout`; grows the
+        """Every rank's counts (one all_gather, one host read) -> this call's `link.Layout`; grows the
         buffer when needed and opens the call with a barrier."""
         W, C, E = send_WCE.shape
         every = torch.empty(W, W, C, E, dtype=send_WCE.dtype, device=send_WCE.device)

@@ -23,9 +23,6 @@ and the two asynchronous steps per chunk (`send`, `send_back`) whose results the
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -35,8 +32,11 @@ import torch.distributed as dist
 from modelopt_ext.faults import mark_exchange
 from modelopt_ext.options import DEFAULT, TRANSPORTS
 
+from .copy_engine import CopyEngineLink
 from .dispatch import count_ids, inverse_permutation
-from .local import Segment, block_segments, gather_weighted_sum
+from .link import NcclLink, Routing
+from .local import Segment, gather_weighted_sum
+from .token_link import TokenLink
 
 # How rows move between ranks (`ExpertsOptions.transport`): "nccl" (all_to_all_single on the process group's
 # stream), "copy_engine" (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host) or
@@ -61,99 +61,11 @@ def resolve_transport(transport: str, x_TH: torch.Tensor) -> str:
 RunRows = Callable[[torch.Tensor, Sequence[Segment]], torch.Tensor]
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One call's host sizes. send_sizes[c][w] / recv_sizes[c][w]: rows sent to / received from rank w in chunk
-    c; recv_blocks[w][c][e]: rows received from rank w in chunk c for local expert e, laid out [source][expert]
-    (NCCL); or, for a link that lays the received rows out its own way, segments[c] of each chunk."""
-
-    send_sizes: list[list[int]]
-    recv_sizes: list[list[int]]
-    recv_blocks: list[list[list[int]]] | None
-    segments: list[list[Segment]] | None = None
-
-    def chunk_segments(self, c: int) -> list[Segment]:
-        """(expert, first row, rows) of chunk c's received rows, rows counted from the chunk's first."""
-        if self.segments is not None:
-            return self.segments[c]
-        return block_segments([per_chunk[c] for per_chunk in self.recv_blocks])
-
-    @functools.cached_property
-    def send_off(self) -> list[int]:  # first send row of each chunk, and the total
-        return list(itertools.accumulate(map(sum, self.send_sizes), initial=0))
-
-    @functools.cached_property
-    def recv_off(self) -> list[int]:
-        return list(itertools.accumulate(map(sum, self.recv_sizes), initial=0))
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """What a link may use beyond the counts: the ids [T, K], the send order of the slots (sorted by chunk, then
-    global expert), each token's chunk [T] and the chunk count."""
-
-    ids_TK: torch.Tensor
-    order_S: torch.Tensor
-    chunk_T: torch.Tensor
-    chunks: int
-
-
-class Link:
-    """What the links share once `layout` has set `layout_`: one send buffer of the layout's send rows, and
-    chunk c's received rows as a slice of the receive buffer."""
-
-    layout_: Layout
-
-    def send_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return x_TH.new_empty(self.layout_.send_off[-1], x_TH.shape[1])
-
-    def received(self, c: int, recv_x: torch.Tensor) -> torch.Tensor:
-        return recv_x[self.layout_.recv_off[c]:self.layout_.recv_off[c + 1]]
-
-
-class NcclLink(Link):
-    """The exchange steps through `all_to_all_single` (asynchronous, on the process group's stream)."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def layout(self, send_WCE: torch.Tensor, routing=None) -> Layout:
-        recv_WCE = torch.empty_like(send_WCE)
-        dist.all_to_all_single(recv_WCE, send_WCE, group=self.group)
-        send_host, recv_host = torch.stack([send_WCE, recv_WCE]).tolist()  # the one host sync
-        C = send_WCE.shape[1]
-        self.layout_ = Layout([[sum(send_host[w][c]) for w in range(len(send_host))] for c in range(C)],
-                              [[sum(recv_host[w][c]) for w in range(len(recv_host))] for c in range(C)], recv_host)
-        return self.layout_
-
-    def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return x_TH.new_empty(self.layout_.recv_off[-1], x_TH.shape[1])
-
-    def return_buffer(self, y: torch.Tensor) -> torch.Tensor:
-        return y.new_empty(self.layout_.send_off[-1], y.shape[1])
-
-    def send(self, c: int, x_TH, source_rows, send_x, recv_x):
-        lay = self.layout_
-        sent = send_x[lay.send_off[c]:lay.send_off[c + 1]]
-        torch.index_select(x_TH, 0, source_rows, out=sent)
-        return dist.all_to_all_single(recv_x[lay.recv_off[c]:lay.recv_off[c + 1]], sent, lay.recv_sizes[c],
-                                      lay.send_sizes[c], group=self.group, async_op=True)
-
-    def send_back(self, c: int, y, back):
-        lay = self.layout_
-        return dist.all_to_all_single(back[lay.send_off[c]:lay.send_off[c + 1]], y, lay.send_sizes[c],
-                                      lay.recv_sizes[c], group=self.group, async_op=True)
-
-
 def _link(transport: str, token_dispatch: bool, group, x_TH: torch.Tensor, num_local_experts: int):
+    """A new link for one call (links keep that call's layout): NCCL with one row per slot, NCCL with one row
+    per token and destination rank, or the copy engines."""
     if resolve_transport(transport, x_TH) == "nccl":
-        if not token_dispatch:
-            return NcclLink(group)
-        from .token_link import TokenLink
-
-        return TokenLink(group, num_local_experts)
-    from .copy_engine import CopyEngineLink
-
+        return TokenLink(group, num_local_experts) if token_dispatch else NcclLink(group)
     return CopyEngineLink(group, x_TH)
 
 

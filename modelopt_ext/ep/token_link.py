@@ -3,7 +3,7 @@
 Shapes: T tokens on this rank, K top-k, S = T*K slots, W ranks, E local experts, C chunks, H row width,
 N token rows sent, R slot rows received.
 
-The plain exchange (`overlap.NcclLink`) sends one row per slot, so a token with several of its K experts on
+The plain exchange (`link.NcclLink`) sends one row per slot, so a token with several of its K experts on
 one rank crosses the link once per such expert. Here each token row crosses once to every rank that owns at
 least one of its experts, together with, per slot, the position of its token among the rows sent to that
 rank; the receiver rebuilds the slot rows with one gather in its own memory, in exactly the layout the plain
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import count_ids
-from .overlap import Layout, NcclLink, Routing
+from .link import Layout, NcclLink, Routing
 
 
 class _Both:
