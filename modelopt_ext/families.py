@@ -210,6 +210,15 @@ def source_quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | No
     return qc
 
 
+MXFP4_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors' format name for MXFP4-packed weights
+
+
+def stored_expert_storage(config: Mapping[str, Any]) -> str:
+    """"mxfp4" when the checkpoint's quantization_config format is MXFP4 packed, else "dense"."""
+    quant = source_quantization_config(config) or {}
+    return "mxfp4" if quant.get("format") == MXFP4_FORMAT else "dense"
+
+
 def experts_module_glob(spec: FamilySpec) -> str:
     """The routed experts' module name glob of a family (its EP plan's `ep_dispatch_experts` rule)."""
     globs = [k for k, v in spec.ep_plan.items() if v == "ep_dispatch_experts"]

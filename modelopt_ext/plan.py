@@ -29,14 +29,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from modelopt_ext.families import FamilySpec, families, family_for_config, read_config, source_quantization_config
+from modelopt_ext.families import FamilySpec, families, family_for_config, read_config, stored_expert_storage
 from modelopt_ext.options import DEFAULT, ExpertsOptions
 
 logger = logging.getLogger(__name__)
 
 DENSE_MODES = ("replicate", "fsdp")
 EXPERT_STORAGES = ("mxfp4", "dense")
-MXFP4_FORMAT = "mxfp4-pack-quantized"
 EP_IMPLEMENTATION = "torch_a2a"
 USABLE_FRACTION = 0.9
 BF16, FP32 = 2, 4
@@ -47,12 +46,6 @@ REQUIRED_SIZES = (
     "largest_dense_unit_bytes", "live_hidden_states",
 )
 GIB, GB = 2**30, 10**9
-
-
-def stored_expert_storage(config: Mapping[str, Any]) -> str:
-    """"mxfp4" when the checkpoint's quantization_config format is MXFP4 packed, else "dense"."""
-    quant = source_quantization_config(config) or {}
-    return "mxfp4" if quant.get("format") == MXFP4_FORMAT else "dense"
 
 
 def unsupported_replicas_message(what: str, ep_size: int, world_size: int) -> str:

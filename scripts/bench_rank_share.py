@@ -817,9 +817,9 @@ class Bench:
             self.result["predicted_calibration_forward_s_per_token_ep64_without_exchange"] = per_token
 
     def memory(self) -> None:
-        from modelopt_ext.families import read_config
+        from modelopt_ext.families import read_config, stored_expert_storage
         from modelopt_ext.models.kimi_k3.sizes import plan_sizes
-        from modelopt_ext.plan import estimate_memory, stored_expert_storage
+        from modelopt_ext.plan import estimate_memory
 
         config = read_config(self.ckpt)
         sizes = plan_sizes(config)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import modelopt_ext
 from modelopt_ext.ep.dispatch import combine, dispatch
+from modelopt_ext.testing.routing import force_routing
 
 # dispatch_by_hand: 2 ranks, 2 experts each (global 0,1 on rank 0; 2,3 on rank 1), 3 tokens, top-2.
 HAND_IDS = {0: [[3, 0], [1, 2], [2, 3]], 1: [[0, 1], [0, 3], [1, 0]]}
@@ -71,19 +72,6 @@ def combine_bf16_by_hand(rank: int, world_size: int):
             pipelined[f"token_dispatch={token_dispatch},chunks={chunks}"] = got
     return {"out": out, "pipelined": pipelined}
 
-def _force_routing(model, experts: list[int]) -> None:
-    """Every token of every MoE layer goes to `experts` (weights stay the router's)."""
-    forced = torch.tensor(experts)
-
-    def hook(module, inputs, output):
-        idx, weight = output
-        return forced.to(idx.device).expand_as(idx).contiguous(), weight
-
-    for layer in model.language_model.model.layers:
-        block = getattr(layer, "block_sparse_moe", None)
-        if block is not None:
-            block.gate.register_forward_hook(hook)
-
 
 def ep_logits(rank: int, world_size: int, ckpt: str, dense: str, force_experts: list[int] | None = None,
               impl: str | None = None, warmup: bool = False):
@@ -96,8 +84,8 @@ def ep_logits(rank: int, world_size: int, ckpt: str, dense: str, force_experts: 
     warm = {"warmup_tokens": (2, 16)} if warmup else {}
     model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, **kwargs, **warm)
     if force_experts is not None:
-        _force_routing(single, force_experts)
-        _force_routing(model, force_experts)
+        force_routing(single, force_experts)
+        force_routing(model, force_experts)
     ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
     with torch.no_grad():
         ep = model(input_ids=ids, use_cache=False).logits
@@ -215,8 +203,8 @@ def class_forward_after_swap(rank: int, world_size: int, ckpt: str):
     swapped_log = {k: list(v) for k, v in log.items()}
     log.clear()
     top_k = model.config.get_text_config().num_experts_per_token
-    _force_routing(single, list(range(top_k)))
-    _force_routing(model, list(range(top_k)))
+    force_routing(single, list(range(top_k)))
+    force_routing(model, list(range(top_k)))
     with torch.no_grad():
         forced = model(input_ids=ids, use_cache=False).logits
         forced_ref = single(input_ids=ids, use_cache=False).logits
@@ -275,7 +263,7 @@ def ep_calibrate_and_sync(rank: int, world_size: int, ckpt: str, dense: str = "r
 
     def run(model, which):
         if force_experts is not None:
-            _force_routing(model, force_experts)
+            force_routing(model, force_experts)
 
         def loop(m):
             with torch.no_grad():
@@ -335,7 +323,7 @@ def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str, g
     model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense="replicate", trust_remote_code=True,
                                          dtype=torch.float32, experts_implementation="batched_mm",
                                          experts_options=ExpertsOptions(grouped_statistics=grouped_statistics))
-    _force_routing(model, [0, 1, 2, 3])
+    force_routing(model, [0, 1, 2, 3])
     batches = [{"input_ids": torch.randint(13, 500, (2, 12), generator=torch.Generator().manual_seed(400 + rank))}]
     from modelopt_ext.testing.export_bodies import counting_pipelined_calls
 

@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 import modelopt_ext
-from modelopt_ext.testing.ep_bodies import _force_routing
+from modelopt_ext.testing.routing import force_routing
 
 CALIB_BATCHES = 4
 
@@ -44,7 +44,7 @@ def calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe
         kwargs.update(ep_size=world_size, dense=dense)
     model = modelopt_ext.from_pretrained(ckpt, **kwargs)
     if force_experts is not None:
-        _force_routing(model, force_experts)
+        force_routing(model, force_experts)
     result = calibrate(model, quant_config(recipe, model.config), calibration_batches(rank, world_size, batches),
                        router_glob=spec.router_glob, num_experts=16)
     if fail_on_rank is not None:

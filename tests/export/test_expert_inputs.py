@@ -10,9 +10,9 @@ from safetensors import safe_open
 
 import modelopt_ext
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.ep_bodies import _force_routing
 from modelopt_ext.testing.export_bodies import calibrate_and_export, calibration_batches
 from modelopt_ext.testing.export_edits import read_index, shard_of
+from modelopt_ext.testing.routing import force_routing
 
 RECIPE = "kimi_k3/nvfp4_experts-fp8_attention"
 EXPERTS = "language_model.model.layers.{layer}.block_sparse_moe.experts"
@@ -30,7 +30,7 @@ def _reference_amax(ckpt, force_experts=None) -> dict[int, torch.Tensor]:
     hooks on the unquantized model (the experts' own forward inputs; the down input recomputed from them)."""
     model = modelopt_ext.from_pretrained(str(ckpt), trust_remote_code=True, dtype=torch.float32)
     if force_experts is not None:
-        _force_routing(model, force_experts)
+        force_routing(model, force_experts)
     out: dict[int, torch.Tensor] = {}
 
     def hook(layer):
@@ -103,7 +103,7 @@ def test_experts_without_tokens_keep_the_layers_scale_and_shared_mode_is_modelop
 
     def export(mode: str):  # the export consumes the calibrated model (ModelOpt's handlers split the experts)
         model = modelopt_ext.from_pretrained(str(source), trust_remote_code=True, dtype=torch.float32)
-        _force_routing(model, covered)
+        force_routing(model, covered)
         result = calibrate(model, quant_config(RECIPE, model.config), calibration_batches(0, 1, 2),
                            router_glob=families()["kimi_k3"].router_glob, num_experts=16)
         return export_checkpoint(result.model, tmp_path / mode, source_dir=source, expert_input_scales=mode)

@@ -31,11 +31,11 @@ from modelopt_ext.versions import check_min_versions
 from modelopt_ext.warmup import Warmup
 
 from .cache import KimiHybridCache
-from .convert import scoped_conversion_mapping
+from .convert import expert_converters, scoped_conversion_mapping
 from .experts import KimiK3PackedExperts
 from .kda import apply_kda_patch, plan_kda_patch
 from .patch import apply_patches, expert_storage, missing_classes
-from .spec import EXPERTS_GLOB, KIMI_K3
+from .pinned import EP_PLAN, EXPERTS_GLOB, LOCK_FILE, MIN_VERSIONS
 from .warmup import build_warmup_model, warmup_bytes, warmup_input_ids
 
 logger = logging.getLogger(__name__)
@@ -120,9 +120,9 @@ def prepare(path: str | Path, remote_code_lock: str | Path | None = None, **kwar
     if auto_ref != MM_CLASS_REF:
         raise CheckpointError(f"{source}: auto_map.AutoModelForCausalLM is {auto_ref!r}, expected {MM_CLASS_REF!r}")
     storage = expert_storage_of(config, source)
-    lock = load_lock(Path(remote_code_lock) if remote_code_lock is not None else KIMI_K3.remote_code_lock)
+    lock = load_lock(Path(remote_code_lock) if remote_code_lock is not None else LOCK_FILE)
     check_remote_code(path, lock)
-    check_min_versions(KIMI_K3.min_versions, optional=frozenset({"fla-core"}))
+    check_min_versions(MIN_VERSIONS, optional=frozenset({"fla-core"}))
     model_class, text_module, mm_module = _remote_modules(path, kwargs)
     missing = missing_classes(text_module, mm_module)
     if missing:
@@ -145,7 +145,7 @@ def _distributed_config(prepared: Prepared, config, plan):
 
     with torch.device("meta"), expert_storage(prepared.storage):
         meta_model = prepared.model_class(copy.deepcopy(config))
-    ep_plan = select_ep_plan(KIMI_K3.ep_plan, meta_model)
+    ep_plan = select_ep_plan(EP_PLAN, meta_model)
     kwargs = plan.distributed_config_kwargs()
     if plan.dense == "replicate":
         kwargs["tp_plan"] = replicate_tp_plan(meta_model, ep_plan)
@@ -276,7 +276,7 @@ def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distri
             warm = _start_warmup(prepared, config, warmup_tokens, device, kwargs)
         if distribution_plan is not None:
             kwargs["distributed_config"] = _distributed_config(prepared, config, distribution_plan)
-        converters = KIMI_K3.converters(prepared.storage)
+        converters = expert_converters(prepared.storage)
         with (
             scoped_conversion_mapping(prepared.model_class.__name__, converters),
             expert_storage(prepared.storage),

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from modelopt_ext.plan import stored_expert_storage
+from modelopt_ext.families import stored_expert_storage
 
 BUNDLED_CONFIG = Path(__file__).with_name("kimi_k3_config.json")
 MXFP4_GROUP = 32

@@ -3,31 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 from modelopt_ext.families import FamilySpec, PredictionSpec, ServingSpec, register_family
 
 from . import prediction, serving
 from .config_check import check_config
 from .convert import expert_converters
+from .pinned import EP_PLAN, LAYERS, LOCK_FILE, MIN_VERSIONS, REVISION
 from .sizes import BUNDLED_CONFIG, plan_sizes
-
-# Moonshot's pinned revision of Kimi-K3. The bundled lock records the stand-in's remote-code files,
-# which are this project's faithful re-implementation of that revision (see docs/standin.md).
-REVISION = "9f62e4e9fffbd0a83ddd60e1c209d828994b3569"
-LOCK_FILE = Path(__file__).with_name("remote_code.lock.json")
-
-_LAYERS = "language_model.model.layers.*"
-EXPERTS_GLOB = _EXPERTS = f"{_LAYERS}.block_sparse_moe.experts"
-# Expert parallelism as data: the experts module dispatches tokens, its fused tensors (dense or MXFP4
-# packed + scales) are sharded along the expert dimension.
-EP_PLAN = {
-    _EXPERTS: "ep_dispatch_experts",
-    **{f"{_EXPERTS}.{name}": "grouped_gemm" for name in (
-        "gate_up_proj", "down_proj", "gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed",
-        "down_proj_scale",
-    )},
-}
 
 
 def quantizer_exclusions(config) -> tuple[str, ...]:
@@ -87,13 +70,13 @@ KIMI_K3 = register_family(
         text_model_type="kimi_linear",
         revision=REVISION,
         remote_code_lock=LOCK_FILE,
-        min_versions={"transformers": "5.23", "torch": "2.7", "fla-core": "0.5.1"},
+        min_versions=MIN_VERSIONS,
         ep_plan=EP_PLAN,
         quantizer_exclusions=quantizer_exclusions,
         converters=expert_converters,
         load=_load,
         make_tiny=_make_tiny,
-        router_glob=f"{_LAYERS}.block_sparse_moe.gate",
+        router_glob=f"{LAYERS}.block_sparse_moe.gate",
         sizes=plan_sizes,
         bundled_configs={"kimi-k3": BUNDLED_CONFIG},
         default_recipe="kimi_k3/nvfp4_experts-fp8_attention",
