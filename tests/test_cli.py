@@ -270,7 +270,7 @@ def test_lock_remote_code_revision_label(tmp_path, capsys):
 
 def test_lock_remote_code_of_the_tiny_checkpoint_is_the_bundled_lock(tiny_ckpt, tmp_path, capsys):
     from modelopt_ext.lock import load_lock
-    from modelopt_ext.models.kimi_k3.spec import LOCK_FILE
+    from modelopt_ext.models.kimi_k3.pinned import LOCK_FILE
 
     out = tmp_path / "tiny.lock.json"
     assert main(["lock-remote-code", str(tiny_ckpt), "--out", str(out)]) == 0

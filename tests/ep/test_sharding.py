@@ -20,7 +20,7 @@ from modelopt_ext.ep.sharding import (
     select_ep_plan,
     wildcard_names,
 )
-from modelopt_ext.models.kimi_k3.spec import EP_PLAN, EXPERTS_GLOB
+from modelopt_ext.models.kimi_k3.pinned import EP_PLAN, EXPERTS_GLOB
 from modelopt_ext.testing.multiproc import free_port
 
 PACKED = {f"{EXPERTS_GLOB}.{n}" for n in ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed",
