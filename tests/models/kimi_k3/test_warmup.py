@@ -118,6 +118,7 @@ def test_the_warmup_is_skipped_when_it_does_not_fit_the_plan(loaded, caplog):
     estimate in the usable memory; at Kimi-K3's widths they are about 4.9 GiB."""
     from types import SimpleNamespace
 
+    from modelopt_ext.models.kimi_k3.sizes import BUNDLED_CONFIG
     from modelopt_ext.models.kimi_k3.warmup import warmup_bytes
     from modelopt_ext.plan import USABLE_FRACTION
 
@@ -133,7 +134,7 @@ def test_the_warmup_is_skipped_when_it_does_not_fit_the_plan(loaded, caplog):
     with caplog.at_level(logging.INFO):
         assert not adapter.warmup_fits(plan(room - need + 1, device), loaded.config)
     assert "no warm-up forward" in caplog.text
-    full = loaded.config.__class__.from_dict(json.loads(adapter.KIMI_K3.bundled_configs["kimi-k3"].read_text()))
+    full = loaded.config.__class__.from_dict(json.loads(BUNDLED_CONFIG.read_text()))
     assert 4.5 * 2**30 < warmup_bytes(full) < 5.5 * 2**30
 
 
