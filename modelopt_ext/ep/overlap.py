@@ -49,11 +49,10 @@ from .token_link import TokenLink
 def resolve_transport(transport: str, x_TH: torch.Tensor) -> str:
     """The link a call takes: `transport` with "auto" decided as above. The same on every rank of a job (same
     options, same environment, tokens on the same kind of device)."""
-    name = transport
-    if name not in TRANSPORTS:
-        raise ValueError(f"EP transport {name!r}; expected one of {TRANSPORTS}")
-    if name != "auto":
-        return name
+    if transport not in TRANSPORTS:
+        raise ValueError(f"EP transport {transport!r}; expected one of {TRANSPORTS}")
+    if transport != "auto":
+        return transport
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     one_host = world is not None and world == local
     return "copy_engine" if x_TH.is_cuda and one_host else "nccl"
