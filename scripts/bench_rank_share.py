@@ -31,6 +31,9 @@ rewritten after every section:
   d. export (`export.writer.export_checkpoint`): bytes and seconds;
   e. the MXFP4 experts module (`run_rows`: dequantization, grouped GEMMs, SiTU-GLU) on T x 16 rows against the
      same module with bf16 weights, plain matmuls of the same shapes, and the dequantization alone;
+  g. the MLA attention module (layer 2) with the patched forward (`models/kimi_k3/mla.py`: the core through SDPA
+     on CUDA) against the remote forward it wraps, same weights and inputs: seconds, and the difference of the
+     outputs and of the largest o_proj input (what the o_proj input quantizer's amax sees);
   f. disk: from_pretrained's read against a raw sequential read of the same files (page cache evicted before
      each: os.sync, posix_fadvise DONTNEED; residency checked with mincore and a second, cached read); the
      export's write against a raw sequential write + fsync of as many bytes on the same filesystem.
@@ -56,9 +59,9 @@ from pathlib import Path
 
 T0 = time.perf_counter()
 EP_SIZE, TOP_K_REAL = 64, 16
-SECTIONS = ("matmul", "generate", "disk_read", "load", "plain", "experts", "embed_head", "calibrate", "memory",
-            "export", "disk_write")
-SKIPPABLE = ("disk", "plain", "experts", "embed_head", "export")
+SECTIONS = ("matmul", "generate", "disk_read", "load", "plain", "mla_core", "experts", "embed_head", "calibrate",
+            "memory", "export", "disk_write")
+SKIPPABLE = ("disk", "plain", "mla_core", "experts", "embed_head", "export")
 
 
 def log(msg: str) -> None:
@@ -624,6 +627,46 @@ class Bench:
                 roofline_share=sum(self.flops.values()) / (med["forward"] / T) / (self.peak_tflops * 1e12),
                 module_s_per_token={k: v / T for k, v in med.items()})
 
+    def mla_core(self) -> None:
+        """Layer 2's MLA attention: the patched forward against the remote one it wraps (see the module doc, g)."""
+        torch = self.torch
+        attn = self.layers[self.kinds.index("moe_mla")].self_attn
+        remote = type(attn).forward.__wrapped__
+        T, S = self.args.tokens_per_batch, self.args.seq_len
+        g = torch.Generator(device=self.device).manual_seed(11)
+        x = torch.randn(T // S, S, self.text.hidden_size, device=self.device, dtype=torch.bfloat16, generator=g)
+        ones = torch.ones(T // S, S, dtype=torch.long, device=self.device)
+        seen = {}
+        hook = attn.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("o_in", a[0].detach()))
+        reps = 5 if self.cuda else 2
+        try:
+            with torch.no_grad():
+                ref = remote(attn, x, attention_mask=ones)
+                ref_o_in = seen["o_in"]
+                out = attn(x, attention_mask=ones)
+                o_in = seen["o_in"]
+                remote_s = self.clock.timed(lambda: remote(attn, x, attention_mask=ones), reps=reps)
+                masked_s = self.clock.timed(lambda: attn(x, attention_mask=ones), reps=reps)
+                causal_s = self.clock.timed(lambda: attn(x), reps=reps)
+        finally:
+            hook.remove()
+        ref_amax, amax = ref_o_in.abs().max().item(), o_in.abs().max().item()
+        self.result["mla_core"] = {
+            "tokens": T, "remote_s": remote_s, "patched_s": masked_s, "patched_no_mask_s": causal_s,
+            "speedup": remote_s / masked_s, "speedup_no_mask": remote_s / causal_s,
+            "remote_s_per_token": remote_s / T, "patched_s_per_token": masked_s / T,
+            "output_max_abs_diff_over_max": (out.float() - ref.float()).abs().max().item() / ref.abs().max().item(),
+            "o_proj_input_max_abs_diff_over_max":
+                (o_in.float() - ref_o_in.float()).abs().max().item() / ref_o_in.abs().max().item(),
+            "o_proj_input_amax_remote": ref_amax, "o_proj_input_amax_patched": amax,
+            "o_proj_input_amax_rel_diff": abs(amax - ref_amax) / ref_amax,
+            "note": "the MoE MLA layer's self_attn on random bf16 hidden states [T/S, S, hidden] with the all-ones "
+                    "attention mask calibration passes; patched_no_mask_s: no mask (causal SDPA kernel)",
+        }
+        log(f"MLA attention on {T} tokens: remote {remote_s * 1e3:.2f} ms, patched {masked_s * 1e3:.2f} ms "
+            f"(x{remote_s / masked_s:.2f}; no mask {causal_s * 1e3:.2f} ms), o_proj input amax {ref_amax:.4g} -> "
+            f"{amax:.4g}")
+
     def experts(self) -> None:
         """The MXFP4 experts of layer 1 on T x 16 routed rows (balanced), against bf16 weights."""
         torch = self.torch
@@ -879,7 +922,7 @@ class Bench:
         self.result["export"] = {"bytes": written, "seconds": seconds, "bytes_per_s": written / seconds,
                                  "files_bytes": on_disk, "tensors": res.tensors, "files": res.files,
                                  "flush_s": flush, "bytes_per_s_with_flush": written / (seconds + flush),
-                                 "experts_exact": res.experts_exact}
+                                 "experts_exact": res.experts_exact, "timing_s": res.timing}
         disk = self.result.setdefault("disk", {})
         disk.update(write_bytes=on_disk, write_bytes_per_s=on_disk / seconds)
         log(f"export {written / 1e9:.2f} GB in {seconds:.1f} s (+{flush:.1f} s os.sync)")
@@ -911,6 +954,7 @@ class Bench:
         self.section("disk_read", self.disk_read, min_left_s=a.reserve_s + 60, key="disk")
         self.section("load", self.load, key="disk")
         self.section("plain", self.plain, needs=("model",), key="plain_forward")
+        self.section("mla_core", self.mla_core, needs=("model",), min_left_s=a.reserve_s)
         self.section("experts", self.experts, needs=("model",), min_left_s=a.reserve_s)
         self.section("embed_head", self.embed_head, min_left_s=a.reserve_s)
         self.section("calibrate", self.calibrate, needs=("model",))
@@ -953,8 +997,10 @@ def table(r: dict) -> str:
                          f"{f(e.get('plain_s_per_token'), '.2f', 1e6):>10}"
                          f"{f(e.get('flops_per_token'), '.3f', 1e-9):>11}{f(e.get('roofline_share'), '.2f'):>10}"
                          f"{f(e.get('plain_roofline_share'), '.2f'):>8}")
-    c, x, m, d, ex = (r.get(k) or {} for k in ("calibrate", "experts", "memory", "disk", "export"))
+    c, x, m, d, ex, mc = (r.get(k) or {} for k in ("calibrate", "experts", "memory", "disk", "export", "mla_core"))
     lines += [
+        f"MLA attention remote / patched {f(mc.get('speedup'), '.2f')} (no mask {f(mc.get('speedup_no_mask'), '.2f')})"
+        f", o_proj input amax rel diff {f(mc.get('o_proj_input_amax_rel_diff'), '.2g')}",
         f"calibrate: {f(c.get('s_per_token'), '.2f', 1e6)} us/token (roofline {f(c.get('roofline_share'), '.2f')}), "
         f"forward loop {f(c.get('forward_s_per_token'), '.2f', 1e6)} us/token "
         f"({f(c.get('forward_roofline_share'), '.2f')}), fixed {f(c.get('fixed_s'), '.2f')} s",
@@ -962,7 +1008,9 @@ def table(r: dict) -> str:
         f"{f(x.get('dequant_s'), '.2f', 1e3)} ms, roofline {f(x.get('mxfp4_roofline_share'), '.2f')}",
         f"memory: peak {f(m.get('peak_bytes'), '.1f', 2**-30)} GiB, planned {f(m.get('planned_bytes'), '.1f', 2**-30)}"
         f" GiB (x{f(m.get('peak_over_planned'), '.2f')})",
-        f"export: {f(ex.get('bytes'), '.2f', 1e-9)} GB in {f(ex.get('seconds'), '.1f')} s",
+        f"export: {f(ex.get('bytes'), '.2f', 1e-9)} GB in {f(ex.get('seconds'), '.1f')} s "
+        f"(+{f(ex.get('flush_s'), '.1f')} s flush; seconds by part {ex.get('timing_s')}); durable ours/raw "
+        f"{f(d.get('write_ratio_with_flush'), '.2f')}",
         f"disk read ours/raw {f(d.get('read_ratio'), '.2f')} ({f(d.get('load_bytes_per_s'), '.2f', 1e-9)} vs "
         f"{f(d.get('raw_read_bytes_per_s'), '.2f', 1e-9)} GB/s, evicted {d.get('cache_evicted')}); write ours/raw "
         f"{f(d.get('write_ratio'), '.2f')} ({f(d.get('write_bytes_per_s'), '.2f', 1e-9)} vs "

@@ -11,12 +11,13 @@ Collective under torch.distributed (every rank calls it; each step fails on ever
    handlers quantize its weights and split fused experts into per-expert tensors, experts are renamed to
    their global ids and the checkpoint's projection names (w1/w3/w2), each rank writes the files it owns
    (its experts' blocks; dense files round-robin) into a staging directory, and the unit is released; a
-   rank's files are written on one thread of its own and hashed (sha256, for the manifest) on HASH_THREADS
-   more, overlapped with the next unit's work, at most MAX_PENDING_FILES queued for writing;
+   rank's files are written on one thread of its own, then hashed (sha256, for the manifest) and flushed to
+   the disk (fsync) on HASH_THREADS more, overlapped with the next unit's work and the next file's writing,
+   at most MAX_PENDING_FILES queued for writing;
 3. rank 0 writes the index, config.json (with `quantization_config`), hf_quant_config.json, the source's
    remote code, tokenizer and generation config, `write_extra`'s files and, last, MANIFEST.sha256 (hashing
    only the files it wrote itself in this step; the tensor files' digests come from their writers), flushes
-   what it wrote and the directories to disk (every rank flushed its tensor files after writing each), then
+   what it wrote and the directories to disk (every rank flushed its tensor files once each was hashed), then
    renames the staging directory to `export_dir` and flushes that rename: a crash cannot leave an export that
    looks finished with bytes still in the page cache.
 
@@ -30,6 +31,7 @@ import copy
 import dataclasses
 import json
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -90,6 +92,10 @@ class ExportResult:
     # expert's own statistics, and those that kept the layer's shared scale (no calibration row)
     expert_inputs_own: int = 0
     expert_inputs_shared: tuple[str, ...] = ()
+    # rank 0's seconds by part: "units" (the main thread: ModelOpt's handlers, the exact casts, the host copies),
+    # "copies" (of those, the device -> host copies), "write" (the writing thread serializing files), "hash"
+    # and "fsync" (the hashing threads, summed over threads)
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None) -> ExportFiles:
@@ -208,6 +214,7 @@ class _UnitExporter:
         self.requantized: list[str] = []
         self.inputs_own = 0
         self.inputs_shared: list[str] = []
+        self.timing = _Timing()
 
     def _exact_casts(self, modules, offsets: dict[str, int]) -> dict[str, torch.Tensor]:
         """final key -> tensor for the routed experts stored MXFP4 whose weight quantizers are NVFP4: the
@@ -251,6 +258,13 @@ class _UnitExporter:
         return out
 
     def export(self, unit: _Unit) -> None:
+        start = time.perf_counter()
+        try:
+            self._export(unit)
+        finally:
+            self.timing.add("units", time.perf_counter() - start)
+
+    def _export(self, unit: _Unit) -> None:
         modules = unit.modules()
         offsets = {name: expert_offset(m) for name, m in modules if name.endswith("." + self.files.experts_suffix)}
         materialize(m for _, m in modules)
@@ -310,19 +324,21 @@ class _UnitExporter:
 
     def _save(self, file: str, content: dict[str, torch.Tensor]) -> None:
         seen, out = set(), {}
+        start = time.perf_counter()
         for key in sorted(content):
             t = content[key].contiguous().cpu()
             if t.data_ptr() in seen:
                 t = t.clone()
             seen.add(t.data_ptr())
             out[key] = t
+        self.timing.add("copies", time.perf_counter() - start)
         path = self.staging / file
         self.writes = [w for w in self.writes if not w.done()]
         if len(self.writes) >= MAX_PENDING_FILES:
             self.writes[0].result()  # the oldest: files are written in order
-        write = self.writer.submit(_write_file, path, out)
+        write = self.writer.submit(_timed, self.timing, "write", _write_file, path, out)
         self.writes.append(write)
-        self.files_done[file] = self.hasher.submit(_hash_when_written, write, path)
+        self.files_done[file] = self.hasher.submit(_hash_and_flush, write, path, self.timing)
         for key, t in out.items():
             self.written[key] = file
             self.bytes_written += t.numel() * t.element_size()
@@ -340,15 +356,42 @@ def exported_config(source: dict, quantization_config: dict) -> dict:
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one safetensors file and flush it to the disk (the export is published only once every byte is)."""
+    """Write one safetensors file (flushed to the disk by `_hash_and_flush`, off the writing thread)."""
     save_file(tensors, str(path), metadata={"format": "pt"})
-    fsync_path(path)
 
 
-def _hash_when_written(write: concurrent.futures.Future, path: Path) -> str:
-    """sha256 of `path` once `write` finished (read back while the file is in the page cache)."""
+class _Timing:
+    """Seconds by part of one rank's export (`ExportResult.timing`), added to from several threads."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(("units", "copies", "write", "hash", "fsync"), 0.0)
+        self.lock = threading.Lock()
+
+    def add(self, part: str, seconds: float) -> None:
+        with self.lock:
+            self.seconds[part] += seconds
+
+    def rounded(self) -> dict[str, float]:
+        with self.lock:
+            return {part: round(t, 3) for part, t in self.seconds.items()}
+
+
+def _timed(timing: _Timing, part: str, fn, *args):
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        timing.add(part, time.perf_counter() - start)
+
+
+def _hash_and_flush(write: concurrent.futures.Future, path: Path, timing: _Timing) -> str:
+    """sha256 of `path` once `write` finished (read back while the file is in the page cache), then the file
+    flushed to the disk: the export is published only once every file's future is done. Flushing here, not on
+    the writing thread, keeps the writer serializing the next file while the disk takes this one."""
     write.result()
-    return sha256_file(path)
+    digest = _timed(timing, "hash", sha256_file, path)
+    _timed(timing, "fsync", fsync_path, path)
+    return digest
 
 
 def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
@@ -483,8 +526,10 @@ def export_checkpoint(
         logger.info("routed experts: %d input scales from the expert's own statistics, %d kept the layer's shared "
                     "scale (no calibration token)%s", own, len(shared),
                     f": {', '.join(shared[:5])}{' ...' if len(shared) > 5 else ''}" if shared else "")
+    timing = exporter.timing.rounded()
+    logger.debug("export on rank %d: %s s", rank, timing)
     return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings, exact, requantized,
-                        own, shared)
+                        own, shared, timing)
 
 
 def _new_staging(export_dir: Path, overwrite: bool, rank: int) -> Path | None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from modelopt_ext.ep.backend import call_experts
 
+from . import mla
 from .experts import KimiK3Experts, KimiK3PackedExperts
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 PATCHED_ATTR = "__modelopt_ext_patched__"
 # Classes the adapter needs in the text module, and in the multimodal module.
 TEXT_CLASSES = ("KimiSparseMoeBlock", "KimiMoEGate", "KimiMLP", "KimiRMSNorm", "KimiDynamicCache",
-                "KimiLinearPreTrainedModel", "KimiLinearModel", "KimiLinearForCausalLM", "KimiDeltaAttention")
+                "KimiLinearPreTrainedModel", "KimiLinearModel", "KimiLinearForCausalLM", "KimiDeltaAttention",
+                "KimiMLAAttention")
 MM_CLASSES = ("KimiK3PreTrainedModel", "KimiK3ForConditionalGeneration")
 
 # Which experts storage a block built now gets: "mxfp4" while loading a packed checkpoint, else "dense".
@@ -164,6 +166,8 @@ def plan_patches(text_module: ModuleType, mm_module: ModuleType, cache_cls: type
     plan: list[Assignment] = [
         (text_module, "KimiSparseMoeBlock", make_fused_block_class(text_module)),
         (text_module, "KimiDynamicCache", cache_cls),
+        # the MLA core fused on CUDA, the KV quantizers on keys and values (mla.py)
+        (text_module.KimiMLAAttention, "forward", mla.make_forward(vars(text_module.KimiMLAAttention)["forward"])),
     ]
     model_classes = (text_module.KimiLinearForCausalLM, text_module.KimiLinearModel,
                      mm_module.KimiK3ForConditionalGeneration)
@@ -191,6 +195,8 @@ def apply_patches(text_module: ModuleType, mm_module: ModuleType, cache_cls: typ
     plan = plan_patches(text_module, mm_module, cache_cls)
     for owner, name, value in plan:
         setattr(owner, name, value)
+    mla.register_kv_quantizers(text_module.KimiMLAAttention)
+    mla.register_kv_quantizers(text_module.KimiDeltaAttention, mla.NoKVCache)
     setattr(text_module, PATCHED_ATTR, True)
     setattr(mm_module, PATCHED_ATTR, True)
     logger.info("patched %d Kimi-K3 attributes in %s", len(plan), text_module.__name__)

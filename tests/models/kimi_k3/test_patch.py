@@ -52,7 +52,7 @@ def fresh(tiny_ckpt, tmp_path_factory):
 
 CLASSES_TOUCHED = (
     ("text", "KimiLinearForCausalLM"), ("text", "KimiLinearModel"), ("text", "KimiLinearPreTrainedModel"),
-    ("mm", "KimiK3ForConditionalGeneration"), ("mm", "KimiK3PreTrainedModel"),
+    ("text", "KimiMLAAttention"), ("mm", "KimiK3ForConditionalGeneration"), ("mm", "KimiK3PreTrainedModel"),
 )
 
 
