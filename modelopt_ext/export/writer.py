@@ -11,9 +11,9 @@ Collective under torch.distributed (every rank calls it; each step fails on ever
    handlers quantize its weights and split fused experts into per-expert tensors, experts are renamed to
    their global ids and the checkpoint's projection names (w1/w3/w2), each rank writes the files it owns
    (its experts' blocks; dense files round-robin) into a staging directory, and the unit is released; a
-   rank's files are written on one thread of its own, then hashed (sha256, for the manifest) and flushed to
-   the disk (fsync) on HASH_THREADS more, overlapped with the next unit's work and the next file's writing,
-   at most MAX_PENDING_FILES queued for writing;
+   rank's files are written on one thread of its own, then hashed (sha256, for the manifest) on HASH_THREADS
+   more and at the same time flushed to the disk (fsync) on FLUSH_THREADS more, overlapped with the next
+   unit's work and the next file's writing, at most MAX_PENDING_FILES queued for writing;
 3. rank 0 writes the index, config.json (with `quantization_config`), hf_quant_config.json, the source's
    remote code, tokenizer and generation config, `write_extra`'s files and, last, MANIFEST.sha256 (hashing
    only the files it wrote itself in this step; the tensor files' digests come from their writers), flushes
@@ -70,6 +70,7 @@ from modelopt_ext.lock import sha256_file
 logger = logging.getLogger(__name__)
 MAX_PENDING_FILES = 2  # files a rank's writing thread may have queued (host copies held meanwhile)
 HASH_THREADS = 4  # threads hashing a rank's written files for the manifest (sha256 is ~1 GB/s a thread)
+FLUSH_THREADS = 2  # threads flushing a rank's written files to the disk (fsync), beside the hashing
 __all__ = ["ExportDirError", "ExportResult", "check_export_dir", "export_checkpoint"]
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
@@ -202,13 +203,16 @@ class _UnitExporter:
         self.tied = set(tied) if getattr(model.config.get_text_config(), "tie_word_embeddings", False) else set()
         self.names = dict(family.export_expert_names)
         self.written: dict[str, str] = {}
-        # file -> its sha256: the file is written on `writer` (one thread, in order) and hashed on `hasher`
-        # (HASH_THREADS) once written, overlapped with the next unit's quantization and copies; at most
-        # MAX_PENDING_FILES wait to be written, bounding the host copies held
+        # file -> its sha256: the file is written on `writer` (one thread, in order), then hashed on `hasher`
+        # (HASH_THREADS) and flushed to the disk on `flusher` (FLUSH_THREADS) at the same time, overlapped with
+        # the next unit's quantization and copies and the next file's writing; at most MAX_PENDING_FILES wait to
+        # be written, bounding the host copies held
         self.files_done: dict[str, concurrent.futures.Future] = {}
+        self.flushes: list[concurrent.futures.Future] = []
         self.writes: list[concurrent.futures.Future] = []
-        self.writer: concurrent.futures.Executor | None = None  # both set by export_checkpoint for the units
+        self.writer: concurrent.futures.Executor | None = None  # all three set by export_checkpoint for the units
         self.hasher: concurrent.futures.Executor | None = None
+        self.flusher: concurrent.futures.Executor | None = None
         self.bytes_written = 0
         self.exact = 0
         self.requantized: list[str] = []
@@ -314,7 +318,10 @@ class _UnitExporter:
         return key, value
 
     def digests(self) -> dict[str, str]:
-        """file -> sha256 of every file this rank wrote (waits for the writing thread; raises what it raised)."""
+        """file -> sha256 of every file this rank wrote, once every one is on the disk (waits for the threads;
+        raises what they raised)."""
+        for flush in self.flushes:
+            flush.result()
         return {file: future.result() for file, future in self.files_done.items()}
 
     def _writes(self, unit: _Unit, file: str) -> bool:
@@ -323,14 +330,8 @@ class _UnitExporter:
         return self.rank == self.files.dense_writer(unit.layer, self.world)
 
     def _save(self, file: str, content: dict[str, torch.Tensor]) -> None:
-        seen, out = set(), {}
         start = time.perf_counter()
-        for key in sorted(content):
-            t = content[key].contiguous().cpu()
-            if t.data_ptr() in seen:
-                t = t.clone()
-            seen.add(t.data_ptr())
-            out[key] = t
+        out = host_copies(content)
         self.timing.add("copies", time.perf_counter() - start)
         path = self.staging / file
         self.writes = [w for w in self.writes if not w.done()]
@@ -338,10 +339,43 @@ class _UnitExporter:
             self.writes[0].result()  # the oldest: files are written in order
         write = self.writer.submit(_timed, self.timing, "write", _write_file, path, out)
         self.writes.append(write)
-        self.files_done[file] = self.hasher.submit(_hash_and_flush, write, path, self.timing)
+        self.files_done[file] = self.hasher.submit(_after, write, self.timing, "hash", sha256_file, path)
+        self.flushes.append(self.flusher.submit(_after, write, self.timing, "fsync", fsync_path, path))
         for key, t in out.items():
             self.written[key] = file
             self.bytes_written += t.numel() * t.element_size()
+
+
+def host_copies(content: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """key -> a contiguous host tensor of its own storage (safetensors refuses shared ones), in sorted key order.
+
+    CUDA tensors are copied into pinned host memory (torch's caching host allocator: the blocks of the files
+    written earlier are reused) without a synchronization per tensor, then once for the file. Measured on an
+    H200 (docs/performance.md, "Session 17"): `.cpu()` into fresh pageable memory held the export's main thread
+    3.2 s of its 5.6 s on 3.95 GB."""
+    seen, out, devices = set(), {}, set()
+    for key in sorted(content):
+        t = content[key]
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            devices.add(t.device)
+        else:
+            host = t.contiguous()
+            if host.data_ptr() in seen:
+                host = host.clone()
+        seen.add(host.data_ptr())
+        out[key] = host
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return out
+
+
+def release_host_cache() -> None:
+    """Give the pinned blocks `host_copies` left in torch's host cache back (a no-op where none was made)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
 
 
 def exported_config(source: dict, quantization_config: dict) -> dict:
@@ -356,7 +390,7 @@ def exported_config(source: dict, quantization_config: dict) -> dict:
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one safetensors file (flushed to the disk by `_hash_and_flush`, off the writing thread)."""
+    """Write one safetensors file (hashed and flushed to the disk on other threads, `_after`)."""
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
@@ -384,14 +418,13 @@ def _timed(timing: _Timing, part: str, fn, *args):
         timing.add(part, time.perf_counter() - start)
 
 
-def _hash_and_flush(write: concurrent.futures.Future, path: Path, timing: _Timing) -> str:
-    """sha256 of `path` once `write` finished (read back while the file is in the page cache), then the file
-    flushed to the disk: the export is published only once every file's future is done. Flushing here, not on
-    the writing thread, keeps the writer serializing the next file while the disk takes this one."""
+def _after(write: concurrent.futures.Future, timing: _Timing, part: str, fn, path: Path):
+    """`fn(path)` once `write` finished: sha256_file (read back while the file is in the page cache) or
+    fsync_path. The export is published only once both are done for every file; flushing off the writing
+    thread keeps the writer serializing the next file while the disk takes this one, and hashing beside the
+    flush keeps the last file's hash out of the flush's way."""
     write.result()
-    digest = _timed(timing, "hash", sha256_file, path)
-    _timed(timing, "fsync", fsync_path, path)
-    return digest
+    return _timed(timing, part, fn, path)
 
 
 def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
@@ -487,7 +520,9 @@ def export_checkpoint(
             # unit; rank 0 then reads only the files it writes in finalization (before: it re-read the whole export)
             with (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="export-write") as exporter.writer,
                   concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="export-sha256")
-                  as exporter.hasher):
+                  as exporter.hasher,
+                  concurrent.futures.ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="export-fsync")
+                  as exporter.flusher):
                 for i, unit in enumerate(units):
                     what = "the tensors outside the layers" if unit.layer is None else f"layer {unit.layer}"
                     all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
@@ -495,6 +530,7 @@ def export_checkpoint(
                         progress(i + 1, len(units))
                 digests = {k: v for part in gather_objects(all_or_fail("export writing", exporter.digests))
                            for k, v in part.items()}
+            release_host_cache()  # every file is written: the pinned copies are free
             maps = gather_objects(exporter.written)
             written = tuple(gather_objects(exporter.bytes_written))
             casts = gather_objects((exporter.exact, exporter.requantized))
@@ -507,6 +543,7 @@ def export_checkpoint(
                                    lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
             warnings = tuple(gather_objects(warnings)[0])
         except BaseException as e:
+            release_host_cache()
             e.export_discarded = True  # read by `ptq`'s error line: nothing of this export is published
             discard(staging)  # on every rank: the one that was interrupted may not be rank 0
             raise

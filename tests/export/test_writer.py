@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from modelopt_ext.export.manifest import MANIFEST_NAME
 from modelopt_ext.export.writer import ExportDirError, check_export_dir, exported_config
@@ -235,3 +236,35 @@ def test_exported_config_replaces_top_level_and_drops_nested_quantization_config
     assert out == {"model_type": "m", "text_config": {"hidden_size": 8}, "quantization_config": {"quant_method": "modelopt"}}
     assert source["text_config"]["quantization_config"] == {"format": "mxfp4"}, "the source mapping is not mutated"
     assert exported_config({"a": 1}, {"q": 2}) == {"a": 1, "quantization_config": {"q": 2}}
+
+
+def _copies_content(device):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    content = {"b.weight": base.to(device), "a.view": base[:, :4].to(device),  # non-contiguous on CPU
+               "c.scale": torch.tensor(0.5).to(device), "d.codes": torch.randint(0, 255, (5, 3), dtype=torch.uint8,
+                                                                                generator=g).to(device)}
+    content["e.alias"] = content["b.weight"]  # one storage under two keys (safetensors refuses shared ones)
+    return content
+
+
+def _assert_host_copies(content):
+    from modelopt_ext.export.writer import host_copies
+
+    out = host_copies(content)
+    assert list(out) == sorted(content)
+    for key, t in out.items():
+        assert t.device.type == "cpu" and t.is_contiguous() and t.dtype == content[key].dtype
+        assert torch.equal(t, content[key].cpu()), key
+    assert len({t.data_ptr() for t in out.values()}) == len(out)
+    return out
+
+
+def test_host_copies_on_cpu_are_contiguous_and_unshared():
+    _assert_host_copies(_copies_content("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies of CUDA tensors need a GPU")
+def test_host_copies_of_cuda_tensors_are_pinned_and_equal():
+    out = _assert_host_copies(_copies_content("cuda"))
+    assert all(t.is_pinned() for t in out.values())
