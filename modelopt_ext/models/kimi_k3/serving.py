@@ -160,8 +160,8 @@ KV_CACHE = KVCacheServing(
     },
     measured="ModelOpt 0.47 attaches k_bmm_quantizer / v_bmm_quantizer to the MLA attention module and measures "
              "them on the decompressed per-head keys and values (kv_b_proj's output with k_pe), not on the latent "
-             "the engines cache; on the stand-in's remote code (two torch.matmul calls, rewritten by ModelOpt's source "
-             "patch) they are also swapped (k_bmm_quantizer sees the values); the export names them "
+             "the engines cache (the adapter registers its MLA class with ModelOpt, models/kimi_k3/mla.py; ModelOpt's "
+             "own source rewrite of the remote code had swapped them); the export names them "
              "self_attn.k_proj.k_scale / v_proj.v_scale, modules MLA does not have",
     alternative="remove the entry (or disable it: quantizer_name '*[kv]_bmm_quantizer', enable: false) and serve "
                 "with the engine's own FP8 KV cache: vLLM or SGLang --kv-cache-dtype fp8_e4m3, TensorRT-LLM "
