@@ -6,7 +6,8 @@ routing)` exchanges the counts and returns the call's host sizes (the one host s
 asynchronous steps whose results the compute stream waits for, `received` giving the chunk's rows. Here: the
 shared records (`Layout`, `Routing`), the base (`Link`) and NCCL with one row per slot (`NcclLink`, the
 default); `ep.token_link` (one row per token and rank) and `ep.copy_engine` (copy engines into peer-mapped
-memory) are the others, chosen by `overlap._link` from the experts options.
+memory) are the others, registered with what they need in `ep.links`, which chooses one from the experts
+options.
 
 Shapes: T tokens on this rank, K top-k, S = T*K slots, W ranks, E local experts, C chunks, H row width.
 """

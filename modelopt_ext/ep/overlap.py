@@ -23,49 +23,33 @@ and the two asynchronous steps per chunk (`send`, `send_back`) whose results the
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from modelopt_ext.faults import mark_exchange
-from modelopt_ext.options import DEFAULT, TRANSPORTS
+from modelopt_ext.options import DEFAULT
 
-from .copy_engine import CopyEngineLink
+from . import links
 from .dispatch import count_ids, inverse_permutation
-from .link import NcclLink, Routing
+from .link import Routing
 from .local import Segment, gather_weighted_sum
-from .token_link import TokenLink
 
-# How rows move between ranks (`ExpertsOptions.transport`): "nccl" (all_to_all_single on the process group's
-# stream), "copy_engine" (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of one host) or
-# "auto": the copy engines for CUDA tokens when every rank of the job runs on this host (torchrun's
+# How rows move between ranks (`ExpertsOptions.transport`, the links registered in `ep.links`): "nccl"
+# (all_to_all_single on the process group's stream; with `token_dispatch`, one row per token and destination
+# rank, `ep.token_link`), "copy_engine" (`ep.copy_engine`: copy engines into peer-mapped memory; CUDA ranks of
+# one host) or "auto": the copy engines for CUDA tokens when every rank of the job runs on this host (torchrun's
 # LOCAL_WORLD_SIZE equals WORLD_SIZE), NCCL otherwise. Measured side by side (docs/performance.md, session 5): the
 # copy engines win for large layers (16,384 tokens a rank) and lose for calibration-sized ones (8,192 tokens,
 # top-8), where their per-block copies cost more than they hide; so NCCL is the default.
-
-
-def resolve_transport(transport: str, x_TH: torch.Tensor) -> str:
-    """The link a call takes: `transport` with "auto" decided as above. The same on every rank of a job (same
-    options, same environment, tokens on the same kind of device)."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"EP transport {transport!r}; expected one of {TRANSPORTS}")
-    if transport != "auto":
-        return transport
-    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-    one_host = world is not None and world == local
-    return "copy_engine" if x_TH.is_cuda and one_host else "nccl"
 
 RunRows = Callable[[torch.Tensor, Sequence[Segment]], torch.Tensor]
 
 
 def _link(transport: str, token_dispatch: bool, group, x_TH: torch.Tensor, num_local_experts: int):
-    """A new link for one call (links keep that call's layout): NCCL with one row per slot, NCCL with one row
-    per token and destination rank, or the copy engines."""
-    if resolve_transport(transport, x_TH) == "nccl":
-        return TokenLink(group, num_local_experts) if token_dispatch else NcclLink(group)
-    return CopyEngineLink(group, x_TH)
+    """A new link for one call (links keep that call's layout), as the registry chooses it (`ep.links`)."""
+    return links.build(links.choose(transport, token_dispatch, x_TH), group, x_TH, num_local_experts)
 
 
 def _token_chunks(T: int, chunks: int, device) -> torch.Tensor:

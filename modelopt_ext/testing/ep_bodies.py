@@ -338,10 +338,12 @@ def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str, g
             "down_input_amax": float(experts.down_proj_input_quantizer.amax)}
 
 
-def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int], token_dispatch: bool = True):
-    """`ep.overlap.overlapped_moe` against dispatch -> per-row experts -> combine, fp32, for several chunk
-    counts; rank 1 holds fewer tokens than the largest chunk count and some experts receive nothing. With
-    `token_dispatch`, also the token rows the link sent against the distinct (token, rank) pairs."""
+def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int], token_dispatch: bool = True,
+                        transport: str = "nccl"):
+    """`ep.overlap.overlapped_moe` through the link `transport` and `token_dispatch` select (`ep.links`) against
+    dispatch -> per-row experts -> combine, fp32, for several chunk counts; rank 1 holds fewer tokens than the
+    largest chunk count and some experts receive nothing. Also the link each call took, and the token rows it
+    sent (token dispatch) against the distinct (token, rank) pairs."""
     from modelopt_ext.ep import overlap
     from modelopt_ext.ep.dispatch import combine, dispatch
 
@@ -378,14 +380,16 @@ def overlap_vs_dispatch(rank: int, world_size: int, chunks: list[int], token_dis
     try:
         with torch.no_grad():
             for c in chunks:
-                got = overlap.overlapped_moe(x, ids, w, E, group, run_rows, chunks=c, token_dispatch=token_dispatch)
+                got = overlap.overlapped_moe(x, ids, w, E, group, run_rows, chunks=c, token_dispatch=token_dispatch,
+                                             transport=transport)
                 identical[str(c)] = bool(torch.equal(got, want))
                 token_rows[str(c)] = getattr(links[-1], "token_send_off", [None])[-1]
     finally:
         overlap._link = make_link
     distinct = int(sum(len(set((ids[t] // E).tolist())) for t in range(tokens)))
     return {"identical": identical, "segments_cover_rows": seen["ok"], "shapes_ok": tuple(want.shape) == (tokens, H),
-            "token_rows": token_rows, "distinct_token_ranks": distinct, "slots": tokens * K}
+            "token_rows": token_rows, "distinct_token_ranks": distinct, "slots": tokens * K,
+            "link_classes": sorted({type(link).__name__ for link in links})}
 
 
 def overlap_path_logits(rank: int, world_size: int, ckpt: str, options: dict | None = None):

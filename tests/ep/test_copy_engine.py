@@ -92,7 +92,7 @@ def test_unknown_transport_is_named():
 
 
 def test_auto_takes_copy_engines_only_for_cuda_tokens_on_one_host(monkeypatch):
-    from modelopt_ext.ep.overlap import resolve_transport
+    from modelopt_ext.ep.links import resolve_transport
 
     cpu = torch.zeros(1, 4)
     monkeypatch.setenv("WORLD_SIZE", "2")
