@@ -1,7 +1,7 @@
 """Model-family registry: a frozen spec per family, found by the checkpoint's `model_type`.
 
-A family plugs in with data (plans, exclusions, floors, converters) and one `load` entry point; nothing
-outside `modelopt_ext/models/<family>/` names a family.
+A family plugs in with data (plans, exclusions, floors, converters) and one `prepare` hook for the generic
+loader (`modelopt_ext.loader`); nothing outside `modelopt_ext/models/<family>/` names a family.
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ class FamilySpec:
         ep_plan: module/parameter FQN glob -> transformers EP style (data for the EP runtime).
         quantizer_exclusions: config -> quantizer name globs that must stay unquantized.
         converters: expert storage ("mxfp4" | "dense") -> transformers weight transforms.
-        load: `load(path, **from_pretrained_kwargs)` -> model; validates everything before mutating.
+        prepare: `prepare(path, **from_pretrained_kwargs)` -> `modelopt_ext.loader.PreparedLoad`: every check,
+            then how the generic loader patches, configures, builds, converts, warms up and checks the load;
+            mutates nothing itself (the loader runs its `patch`).
         make_tiny: generator of the family's stand-in checkpoint, if it has one: `make_tiny(out_dir, seed=0,
             sizes={field: int}, force=False, fit_steps=0)` -> its path (`modelopt-ext make-tiny`; unknown sizes
             are a ValueError naming the family's).
@@ -122,7 +124,7 @@ class FamilySpec:
     ep_plan: Mapping[str, str]
     quantizer_exclusions: Callable[[Any], tuple[str, ...]]
     converters: Callable[[str], list]
-    load: Callable[..., Any]
+    prepare: Callable[..., Any]
     make_tiny: Callable[..., Path] | None = None
     router_glob: str | None = None
     sizes: Callable[[Mapping[str, Any]], Mapping[str, int]] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from modelopt_ext import loader
 from modelopt_ext.dist import DEFAULT_TIMEOUT_S, agree, all_or_fail, init_distributed
 from modelopt_ext.ep.backend import register_torch_a2a
 from modelopt_ext.families import family_for_config, read_config
@@ -44,7 +45,7 @@ def from_pretrained(
     if ep_size is None:
         if dense is not None:
             raise ValueError(f"dense={dense!r} needs ep_size: it places the dense modules of an EP run")
-        return _with_options(family.load(path, **kwargs), experts_options)
+        return _with_options(_load(family, path, None, kwargs), experts_options)
     if "distributed_config" in kwargs:
         raise ValueError("pass either ep_size (modelopt_ext resolves the plan) or distributed_config, not both")
     _, world_size = init_distributed(timeout_s)
@@ -54,9 +55,17 @@ def from_pretrained(
     )
     agree("the distribution plan", plan.to_dict())
     register_torch_a2a()
-    model = all_or_fail("loading", lambda: family.load(path, distribution_plan=plan, **kwargs))
+    model = all_or_fail("loading", lambda: _load(family, path, plan, kwargs))
     model.modelopt_ext_plan = plan
     return _with_options(model, plan.experts_options)
+
+
+def _load(family, path, plan, kwargs):
+    """The generic loader with the family's hook; what it measured rides on the model (`modelopt_ext_*`)."""
+    result = loader.load(family.prepare, path, distribution_plan=plan, **kwargs)
+    result.model.modelopt_ext_bytes_read = dict(result.bytes_read)
+    result.model.modelopt_ext_warmup_s = result.warmup_s
+    return result.model
 
 
 def _with_options(model, options: ExpertsOptions):

@@ -26,7 +26,7 @@ def _spec(name="fake", model_types=("fake_type",), text_model_type=None) -> Fami
         name=name, model_types=model_types, text_model_type=text_model_type, revision="0" * 40,
         remote_code_lock=Path("/nonexistent/lock.json"), min_versions={"torch": "2.0"},
         ep_plan={"*.experts": "ep_dispatch_experts"}, quantizer_exclusions=lambda config: (),
-        converters=lambda storage: [], load=lambda path, **kw: None,
+        converters=lambda storage: [], prepare=lambda path, **kw: None,
     )
 
 

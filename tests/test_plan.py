@@ -28,7 +28,7 @@ def _family(sizes=SIZES, name="fake") -> FamilySpec:
     return FamilySpec(
         name=name, model_types=("fake",), text_model_type=None, revision="0" * 40,
         remote_code_lock=Path("/nonexistent/lock.json"), min_versions={}, ep_plan={},
-        quantizer_exclusions=lambda config: (), converters=lambda storage: [], load=lambda path, **kw: None,
+        quantizer_exclusions=lambda config: (), converters=lambda storage: [], prepare=lambda path, **kw: None,
         sizes=(lambda config: sizes) if sizes is not None else None,
     )
 

@@ -33,10 +33,10 @@ def install(kind: str, phase: str) -> None:
     if phase == "load":
         import modelopt_ext.models.kimi_k3.adapter as adapter
 
-        def load(*args, **kwargs):
+        def prepare_load(*args, **kwargs):
             _fault(kind, phase)
 
-        adapter.load = load
+        adapter.prepare_load = prepare_load
     elif phase == "calibrate":
         import modelopt_ext.quant.calibrate as calibrate
 

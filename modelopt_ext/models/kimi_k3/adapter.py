@@ -1,18 +1,18 @@
-"""Kimi-K3 adapter: validate a checkpoint, then patch its own remote-code classes, then load it.
+"""Kimi-K3 adapter: validate a checkpoint and say how to patch and load it (`prepare_load`, the family's hook
+for the generic loader, `modelopt_ext.loader`).
 
 Order matters: every check (path, trust, config, quantization format, remote-code lock, version floors,
 classes to patch, KDA kernels) runs before anything is mutated, and remote code is only imported once
-its files match the lock. Patches land on the module objects of that checkpoint only.
+its files match the lock. Patches land on the module objects of that checkpoint only, when the loader runs
+them.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
 import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,14 +21,12 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from modelopt_ext.ep.backend import capture_ep_forwards
-from modelopt_ext.ep.sharding import count_checkpoint_reads, localize_replicated_params
 from modelopt_ext.families import read_config, source_quantization_config
 from modelopt_ext.formats.mxfp4 import check_scales
+from modelopt_ext.loader import CheckpointError, PreparedLoad, WarmupHooks, on_gpu
 from modelopt_ext.lock import check_remote_code, load_lock
 from modelopt_ext.models.kimi_k3.config_check import check_config
 from modelopt_ext.versions import check_min_versions
-from modelopt_ext.warmup import Warmup
 
 from .cache import KimiHybridCache
 from .convert import expert_converters, scoped_conversion_mapping
@@ -43,12 +41,7 @@ logger = logging.getLogger(__name__)
 MM_CLASS_REF = "modeling_kimi_k3.KimiK3ForConditionalGeneration"
 # Keyword arguments the adapter decides itself.
 RESERVED_KWARGS = ("config", "quantization_config", "output_loading_info")
-_LOAD_LOCK = threading.Lock()
-
-
-class CheckpointError(ValueError):
-    """The checkpoint or the call cannot be adapted; nothing was patched."""
-
+__all__ = ["CheckpointError", "Prepared", "prepare", "prepare_load"]  # CheckpointError: the loader's, named here too
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -130,72 +123,6 @@ def prepare(path: str | Path, remote_code_lock: str | Path | None = None, **kwar
     return Prepared(path, model_class, text_module, mm_module, storage, source_quantization_config(config))
 
 
-def _strict_loading_info(info: dict[str, Any], path: Path) -> None:
-    problems = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    problems = {k: v for k, v in problems.items() if v}
-    if problems or info.get("error_msgs"):
-        raise CheckpointError(f"loading {path} left keys unmapped: {problems} {info.get('error_msgs') or ''}")
-
-
-def _distributed_config(prepared: Prepared, config, plan):
-    """transformers' DistributedConfig for `plan`, with plans named after a meta-device build of the model."""
-    from transformers import DistributedConfig
-
-    from modelopt_ext.ep.sharding import replicate_tp_plan, select_ep_plan
-
-    with torch.device("meta"), expert_storage(prepared.storage):
-        meta_model = prepared.model_class(copy.deepcopy(config))
-    ep_plan = select_ep_plan(EP_PLAN, meta_model)
-    kwargs = plan.distributed_config_kwargs()
-    if plan.dense == "replicate":
-        kwargs["tp_plan"] = replicate_tp_plan(meta_model, ep_plan)
-    return DistributedConfig(**kwargs, ep_plan=ep_plan)
-
-
-def warmup_fits(plan, config) -> bool:
-    """Whether the warm-up model fits beside the plan's resident estimate within the usable device memory (its
-    activations take the calibration activations' share, unused during the load); logs when it does not."""
-    from modelopt_ext.plan import USABLE_FRACTION
-
-    need, usable = warmup_bytes(config), USABLE_FRACTION * plan.device_memory_bytes
-    if plan.estimate.total_bytes + need <= usable:
-        return True
-    logger.info("no warm-up forward: its %.1f GiB do not fit beside the plan's %.1f GiB in %.1f GiB usable",
-                need / 2**30, plan.estimate.total_bytes / 2**30, usable / 2**30)
-    return False
-
-
-def warmup_device(device_map, on_gpu: bool, current: int = 0) -> torch.device:
-    """Where the warm-up runs: the CPU, the one CUDA device `device_map` names, or else the current one (EP
-    ranks, `device_map="cuda"`, or a map spread over several devices)."""
-    if not on_gpu:
-        return torch.device("cpu")
-    if isinstance(device_map, (str, torch.device)) and str(device_map).startswith("cuda"):
-        device = torch.device(device_map)
-        return device if device.index is not None else torch.device("cuda", current)
-    if isinstance(device_map, int):
-        return torch.device("cuda", device_map)
-    return torch.device("cuda", current)
-
-
-def _start_warmup(prepared: Prepared, config, tokens: tuple[int, int], device: torch.device, kwargs) -> Warmup | None:
-    """Build the warm-up model on this thread (its construction sets transformers' global default dtype, so
-    it must not overlap the load) and start its forward on another (`modelopt_ext.warmup`). A failure to
-    build it (out of memory, say) is logged, and the load goes on without it."""
-    batch, seq_len = tokens
-    dtype = kwargs.get("dtype")
-    if not isinstance(dtype, torch.dtype):
-        dtype = getattr(torch, str(getattr(config, "dtype", None) or "bfloat16").removeprefix("torch."))
-    try:
-        model = build_warmup_model(prepared.model_class, config, storage=prepared.storage, device=device,
-                                   dtype=dtype, experts_implementation=kwargs.get("experts_implementation"))
-        ids = warmup_input_ids(config, batch, seq_len, device)
-    except Exception as e:  # noqa: BLE001 - an optimisation: report, never fail the load
-        logger.warning("no warm-up forward: building its model failed: %s: %s", type(e).__name__, e)
-        return None
-    return Warmup(model, ids).start()
-
-
 # fused parameter -> the checkpoint's per-expert tensors stacked in its rows (w1 rows first, then w3: convert.py)
 _SCALE_SOURCES = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 
@@ -240,64 +167,47 @@ def _check_expert_scales(model, path: Path) -> None:
                 raise CheckpointError(f"checkpoint {path}: {e}") from e
 
 
-def load(path: str | Path, *, remote_code_lock: str | Path | None = None, distribution_plan=None,
-         warmup_tokens: tuple[int, int] | None = None, warmup_timeout_s: float = 600.0, **kwargs):
-    """Validate, patch and load a Kimi-K3 checkpoint; returns `KimiK3ForConditionalGeneration`.
+def prepare_load(path: str | Path, *, remote_code_lock: str | Path | None = None, **kwargs) -> PreparedLoad:
+    """The family's hook for `modelopt_ext.loader.load`: every check (`prepare`, and the KDA kernels for the
+    device the model goes to), then how to patch, configure, build, convert, warm up and check the load.
 
-    Keyword arguments are transformers' `from_pretrained` ones (`dtype`, `device_map`, `trust_remote_code`,
-    `experts_implementation`, ...); `remote_code_lock` names a lock recorded with `modelopt-ext
-    lock-remote-code` for reviewed code that differs from the pinned revision. With a `distribution_plan`
-    (from `modelopt_ext.plan`, inside an initialised process group) the experts are sharded across the EP
-    ranks as the checkpoint is read; each rank reads only its own experts' bytes. With `warmup_tokens`
-    (batch, sequence length) a small model of the same classes runs one forward of that shape on a thread
-    during the read (`models/kimi_k3/warmup.py`), waited for up to `warmup_timeout_s` at the end, unless
-    it does not fit beside the plan's memory estimate; the model's `modelopt_ext_warmup_s` holds its
-    seconds (None: not run, failed or still running).
+    `remote_code_lock` names a lock recorded with `modelopt-ext lock-remote-code` for reviewed code that differs
+    from the pinned revision; other keyword arguments are transformers' `from_pretrained` ones. The warm-up
+    model (`models/kimi_k3/warmup.py`) is a small model of the same classes at the checkpoint's widths.
     """
-    if warmup_tokens is not None and not (len(warmup_tokens) == 2 and all(isinstance(n, int) and n > 0
-                                                                         for n in warmup_tokens)):
-        raise CheckpointError(f"warmup_tokens {warmup_tokens!r} must be two positive sizes (batch, sequence length)")
     prepared = prepare(path, remote_code_lock=remote_code_lock, **kwargs)
     # fla-core kernels need CUDA: with no GPU, or when the caller places the model on the CPU, fla kernels
     # (real upstream imports them directly) are replaced by the torch reference.
-    device_map = kwargs.get("device_map")
-    on_gpu = torch.cuda.is_available() and (device_map is None or "cpu" not in str(device_map))
-    kda_plan = plan_kda_patch(prepared.text_module, device_type="cuda" if on_gpu else "cpu")
-    with _LOAD_LOCK:
+    kda_plan = plan_kda_patch(prepared.text_module, device_type="cuda" if on_gpu(kwargs) else "cpu")
+
+    def patch() -> None:
         apply_patches(prepared.text_module, prepared.mm_module, KimiHybridCache)
         apply_kda_patch(prepared.text_module, kda_plan)
+
+    def make_config():
         config = prepared.model_class.config_class.from_pretrained(str(prepared.path))
         for holder in (config, config.get_text_config()):
             if hasattr(holder, "quantization_config"):
                 del holder.quantization_config  # the adapter reads the MXFP4 experts itself
-        warm = None
-        if warmup_tokens is not None and (distribution_plan is None or warmup_fits(distribution_plan, config)):
-            device = warmup_device(device_map, on_gpu, torch.cuda.current_device() if on_gpu else 0)
-            warm = _start_warmup(prepared, config, warmup_tokens, device, kwargs)
-        if distribution_plan is not None:
-            kwargs["distributed_config"] = _distributed_config(prepared, config, distribution_plan)
-        converters = expert_converters(prepared.storage)
-        with (
-            scoped_conversion_mapping(prepared.model_class.__name__, converters),
-            expert_storage(prepared.storage),
-            count_checkpoint_reads([f"{EXPERTS_GLOB}.*"]) as reads,
-        ):
-            model, info = prepared.model_class.from_pretrained(
-                str(prepared.path), config=config, output_loading_info=True, **kwargs
-            )
-    model.modelopt_ext_warmup_s = warm.wait(warmup_timeout_s) if warm is not None else None
-    _strict_loading_info(info, prepared.path)
-    if distribution_plan is not None:
-        capture_ep_forwards(model)
-        if distribution_plan.dense == "replicate":
-            localize_replicated_params(model)
-    model.modelopt_ext_bytes_read = dict(reads.by_group)
-    logger.info("read %s bytes of the checkpoint (%s)", f"{reads.total:,}",
-                ", ".join(f"{k} {v:,}" for k, v in sorted(reads.by_group.items())))
-    _check_expert_scales(model, prepared.path)  # MXFP4 scales checked once, so forwards need no host syncs
-    # As the Auto classes do: save_pretrained then copies the (unmodified) remote-code files.
-    prepared.model_class.register_for_auto_class("AutoModelForCausalLM")
-    if prepared.quantization_config is not None:
-        model.config.quantization_config = prepared.quantization_config
-    logger.info("loaded %s (%s experts) from %s", type(model).__name__, prepared.storage, prepared.path)
-    return model.eval()
+        return config
+
+    def build_warmup(config, device, dtype, experts_implementation):
+        return build_warmup_model(prepared.model_class, config, storage=prepared.storage, device=device, dtype=dtype,
+                                  experts_implementation=experts_implementation)
+
+    return PreparedLoad(
+        path=prepared.path,
+        model_class=prepared.model_class,
+        ep_plan=EP_PLAN,
+        patch=patch,
+        make_config=make_config,
+        build_scope=lambda: expert_storage(prepared.storage),
+        conversion_scope=lambda: scoped_conversion_mapping(prepared.model_class.__name__,
+                                                           expert_converters(prepared.storage)),
+        counted_reads=(EXPERTS_GLOB,),
+        warmup=WarmupHooks(build=build_warmup, input_ids=warmup_input_ids, nbytes=warmup_bytes),
+        check_loaded=lambda model: _check_expert_scales(model, prepared.path),
+        quantization_config=prepared.quantization_config,
+        description=f"{prepared.storage} experts",
+        family_options=("remote_code_lock",),
+    )

@@ -42,10 +42,10 @@ def quantizer_exclusions(config) -> tuple[str, ...]:
     )
 
 
-def _load(path, **kwargs):
-    from .adapter import load
+def _prepare(path, **kwargs):
+    from . import adapter
 
-    return load(path, **kwargs)
+    return adapter.prepare_load(path, **kwargs)
 
 
 def _make_tiny(out_dir, seed: int = 0, sizes=None, **kwargs):
@@ -74,7 +74,7 @@ KIMI_K3 = register_family(
         ep_plan=EP_PLAN,
         quantizer_exclusions=quantizer_exclusions,
         converters=expert_converters,
-        load=_load,
+        prepare=_prepare,
         make_tiny=_make_tiny,
         router_glob=f"{LAYERS}.block_sparse_moe.gate",
         sizes=plan_sizes,

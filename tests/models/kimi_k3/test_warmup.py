@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import modelopt_ext
+from modelopt_ext import loader
 from modelopt_ext.models.kimi_k3 import adapter
 from modelopt_ext.models.kimi_k3.warmup import VOCAB, build_warmup_model, warmup_config, warmup_input_ids
 from modelopt_ext.testing.checkpoints import copy_checkpoint
@@ -98,7 +99,7 @@ def test_load_with_a_warmup_gives_the_same_model(ckpt, loaded):
 def test_load_refuses_bad_warmup_tokens_before_anything_else(ckpt, tokens, monkeypatch):
     monkeypatch.setattr(adapter, "prepare", lambda *a, **k: pytest.fail("prepared after a bad argument"))
     with pytest.raises(adapter.CheckpointError, match="must be two positive sizes"):
-        adapter.load(ckpt, trust_remote_code=True, warmup_tokens=tokens)
+        loader.load(adapter.prepare_load, ckpt, trust_remote_code=True, warmup_tokens=tokens)
 
 
 def test_a_failing_warmup_does_not_fail_the_load(ckpt, monkeypatch, caplog):
@@ -130,9 +131,10 @@ def test_the_warmup_is_skipped_when_it_does_not_fit_the_plan(loaded, caplog):
 
     device = 10 * 2**30
     room = int(USABLE_FRACTION * device)
-    assert adapter.warmup_fits(plan(room - need, device), loaded.config)
+    hooks = loader.WarmupHooks(build=None, input_ids=None, nbytes=warmup_bytes)
+    assert loader.warmup_fits(plan(room - need, device), loaded.config, hooks)
     with caplog.at_level(logging.INFO):
-        assert not adapter.warmup_fits(plan(room - need + 1, device), loaded.config)
+        assert not loader.warmup_fits(plan(room - need + 1, device), loaded.config, hooks)
     assert "no warm-up forward" in caplog.text
     full = loaded.config.__class__.from_dict(json.loads(BUNDLED_CONFIG.read_text()))
     assert 4.5 * 2**30 < warmup_bytes(full) < 5.5 * 2**30
@@ -151,10 +153,10 @@ def test_a_warmup_model_that_cannot_be_built_does_not_fail_the_load(ckpt, monkey
 
 def test_the_warmup_runs_on_the_device_the_model_goes_to():
     cuda = torch.device
-    assert adapter.warmup_device("cuda", on_gpu=False) == cuda("cpu")
-    assert adapter.warmup_device("cuda", on_gpu=True, current=3) == cuda("cuda", 3)
-    assert adapter.warmup_device("cuda:1", on_gpu=True, current=0) == cuda("cuda", 1)
-    assert adapter.warmup_device(cuda("cuda", 2), on_gpu=True) == cuda("cuda", 2)
-    assert adapter.warmup_device(1, on_gpu=True) == cuda("cuda", 1)
-    assert adapter.warmup_device(None, on_gpu=True, current=1) == cuda("cuda", 1)  # EP ranks: their own device
-    assert adapter.warmup_device({"": 0}, on_gpu=True, current=0) == cuda("cuda", 0)
+    assert loader.warmup_device("cuda", on_gpu=False) == cuda("cpu")
+    assert loader.warmup_device("cuda", on_gpu=True, current=3) == cuda("cuda", 3)
+    assert loader.warmup_device("cuda:1", on_gpu=True, current=0) == cuda("cuda", 1)
+    assert loader.warmup_device(cuda("cuda", 2), on_gpu=True) == cuda("cuda", 2)
+    assert loader.warmup_device(1, on_gpu=True) == cuda("cuda", 1)
+    assert loader.warmup_device(None, on_gpu=True, current=1) == cuda("cuda", 1)  # EP ranks: their own device
+    assert loader.warmup_device({"": 0}, on_gpu=True, current=0) == cuda("cuda", 0)
