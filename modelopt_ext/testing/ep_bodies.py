@@ -398,7 +398,7 @@ def overlap_path_logits(rank: int, world_size: int, ckpt: str, options: dict | N
     `options` (ExpertsOptions fields) go to from_pretrained, and the exchange settings each `overlapped_moe`
     call of the backend received are recorded."""
     from modelopt_ext.ep import backend
-    from modelopt_ext.models.kimi_k3 import experts as experts_module
+    from modelopt_ext.experts import fused as experts_module
     from modelopt_ext.options import ExpertsOptions
 
     kwargs = {"trust_remote_code": True, "dtype": torch.float32,
@@ -421,12 +421,12 @@ def overlap_path_logits(rank: int, world_size: int, ckpt: str, options: dict | N
 
     with torch.no_grad():
         usual = model(input_ids=ids, use_cache=False).logits
-        original = experts_module._FusedExpertsBase.fast_path
-        experts_module._FusedExpertsBase.fast_path = forced
+        original = experts_module.FusedExperts.fast_path
+        experts_module.FusedExperts.fast_path = forced
         try:
             overlapped = model(input_ids=ids, use_cache=False).logits
         finally:
-            experts_module._FusedExpertsBase.fast_path = original
+            experts_module.FusedExperts.fast_path = original
             backend.overlapped_moe = original_moe
     return {"usual": usual, "overlapped": overlapped, "fast_path_calls": taken["n"], "exchanges": exchanges,
             "plan_options": model.modelopt_ext_plan.experts_options.to_dict()}

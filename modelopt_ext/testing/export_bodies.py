@@ -69,19 +69,19 @@ def verify_on_rank_0(rank: int, out: str, ckpt: str) -> None:
 def counting_pipelined_calls():
     """Counts the experts' `run_rows_collecting` calls in this process: yields {"pipelined": calls on
     received blocks (from `ep.overlap`), "other": the rest}."""
-    from modelopt_ext.models.kimi_k3 import experts
+    from modelopt_ext.experts import fused as experts
 
-    counts, original = {"pipelined": 0, "other": 0}, experts._FusedExpertsBase.run_rows_collecting
+    counts, original = {"pipelined": 0, "other": 0}, experts.FusedExperts.run_rows_collecting
 
     def counting(self, x_SL, segments=None, offs_E=None, valid_S1=None):
         counts["pipelined" if segments is not None else "other"] += 1
         return original(self, x_SL, segments, offs_E, valid_S1)
 
-    experts._FusedExpertsBase.run_rows_collecting = counting
+    experts.FusedExperts.run_rows_collecting = counting
     try:
         yield counts
     finally:
-        experts._FusedExpertsBase.run_rows_collecting = original
+        experts.FusedExperts.run_rows_collecting = original
 
 
 def pipelined_calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from modelopt_ext.ep.local import MIN_ROWS
+from modelopt_ext.experts import mxfp4 as mxfp4_experts
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from modelopt_ext.models.kimi_k3 import experts as experts_mod
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts, KimiK3PackedExperts
@@ -283,8 +284,8 @@ def test_materialized_dequantizes_once_per_projection(impl, monkeypatch):
     W13, W2, x = random_weights(5)
     idx, w = routing(False)
     packed, _, _ = packed_experts(W13, W2, impl)
-    spy = _Counting(experts_mod.dequantize_mxfp4)
-    monkeypatch.setattr(experts_mod, "dequantize_mxfp4", spy)
+    spy = _Counting(mxfp4_experts.dequantize_mxfp4)
+    monkeypatch.setattr(mxfp4_experts, "dequantize_mxfp4", spy)
 
     with torch.no_grad():
         packed(x, idx, w)  # no context: one dequantization per projection access

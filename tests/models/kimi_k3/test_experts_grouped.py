@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from modelopt_ext.ep import local
-from modelopt_ext.models.kimi_k3 import experts as experts_module
+from modelopt_ext.experts import fused
 from tests.models.kimi_k3.test_experts import (
     dense_experts,
     packed_experts,
@@ -52,7 +52,7 @@ def test_small_segments_run_regrouped_with_the_same_result(monkeypatch):
     with torch.no_grad():
         per_block = module.run_rows(xs, segments)
         calls = []
-        monkeypatch.setattr(experts_module, "use_segment_gemms", lambda seg, dev, min_rows: calls.append(1) and False)
+        monkeypatch.setattr(fused, "use_segment_gemms", lambda seg, dev, min_rows: calls.append(1) and False)
         regrouped = module.run_rows(xs, segments)
     assert calls, "the regrouped path was not taken"
     torch.testing.assert_close(regrouped, per_block, rtol=1e-5, atol=1e-6)

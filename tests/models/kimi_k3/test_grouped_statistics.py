@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import modelopt_ext
-from modelopt_ext.models.kimi_k3 import experts as experts_module
+from modelopt_ext.experts.fused import FusedExperts
 from modelopt_ext.options import ExpertsOptions, set_experts_options
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 
@@ -21,13 +21,13 @@ def _calibrate(model, mode, monkeypatch):
 
     set_experts_options(model, ExpertsOptions(grouped_statistics=mode))
     calls = []
-    original = experts_module._FusedExpertsBase._grouped_statistics_forward
+    original = FusedExperts._grouped_statistics_forward
 
     def counting(self, *args):
         calls.append(1)
         return original(self, *args)
 
-    monkeypatch.setattr(experts_module._FusedExpertsBase, "_grouped_statistics_forward", counting)
+    monkeypatch.setattr(FusedExperts, "_grouped_statistics_forward", counting)
     ids = torch.randint(13, 500, (2, 24), generator=torch.Generator().manual_seed(5))
     cfg = quant_config("kimi_k3/nvfp4_experts-fp8_attention", model.config)
     with torch.no_grad():
@@ -57,7 +57,7 @@ def test_quantizing_forward_takes_the_eager_path(monkeypatch):
     fake-quantized with its own quantizer, which the grouped path does not do."""
     from types import SimpleNamespace
 
-    module = experts_module._FusedExpertsBase.__new__(experts_module._FusedExpertsBase)
+    module = FusedExperts.__new__(FusedExperts)
     torch.nn.Module.__init__(module)
     collect = SimpleNamespace(is_enabled=True, _if_quant=False)
     quant = SimpleNamespace(is_enabled=True, _if_quant=True)

@@ -8,8 +8,8 @@ input once, computes in fp32 registers and writes the 16-bit product once. Three
 - "exp2" (default): both tanh and the sigmoid from exp2 (the GPU's `ex2.approx.ftz.f32`), an odd polynomial for
   tanh near zero where 1 - exp(-2y) cancels, and the whole product as one fraction taken with one reciprocal
   square root: per element two exp2 for beta = 4 (three otherwise) and one rsqrt, no select-heavy libdevice
-  sequences. The algorithm, its constants and its CPU mirror live in `kernels.situ_glu_math`; the mirror is within
-  0.5 bf16 ulp of the float64 formula (tests/kernels/test_situ_glu_math.py: every bf16 gate with fixed ups and
+  sequences. The algorithm, its constants and its CPU mirror live in `situ_glu_math.py`; the mirror is within
+  0.5 bf16 ulp of the float64 formula (tests/models/kimi_k3/test_situ_glu_math.py: every bf16 gate with fixed ups and
   vice versa, random pairs, also with exp2 perturbed by twice the instruction's error). The kernel was
   checked against the mirror under Triton's CPU interpreter; on an H200 (docs/performance.md, session 5) it is
   within 0.50 bf16 ulp of float64 and takes 1.57-1.64 ms for 262,718 x 3,072 outputs, between "approx" (1.21-1.28)
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from modelopt_ext.kernels import situ_glu_math
+from modelopt_ext.models.kimi_k3 import situ_glu_math
 
 BLOCK_M = 16
 BLOCK_N = 256

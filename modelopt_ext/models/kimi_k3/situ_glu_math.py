@@ -1,11 +1,11 @@
-"""The "exp2" SiTU-GLU algorithm of `kernels.situ_glu`, mirrored in PyTorch fp32 (CPU; no Triton needed).
+"""The "exp2" SiTU-GLU algorithm of `models/kimi_k3/situ_glu.py`, mirrored in PyTorch fp32 (CPU; no Triton needed).
 
     out = beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)
 
-This module is the one home of the algorithm's constants (`kernels.situ_glu` imports them) and its CPU mirror:
+This module is the one home of the algorithm's constants (`models/kimi_k3/situ_glu.py` imports them) and its CPU mirror:
 the same branches, thresholds, coefficients and fp32 operations as the kernel's `_situ_glu_exp2` (FMAs included,
 where the compiler contracts the kernel's a * b + c), so its accuracy is tested on CPU
-(tests/kernels/test_situ_glu_math.py). The GPU's own rounding differs in the ways listed at the end.
+(tests/models/kimi_k3/test_situ_glu_math.py). The GPU's own rounding differs in the ways listed at the end.
 
 Per element (the sign is applied last, from the sign bits of g and u):
 - scale tanh(x / scale) for a magnitude x = |g| or |u| and scale = beta or linear_beta, as a fraction (n, d):
@@ -142,7 +142,7 @@ def situ_glu_fp32(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta
 
 
 def situ_glu(gate_up_S2I: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """[S, I] in the input's dtype from the [S, 2I] gate/up output (gate half first): `kernels.situ_glu`'s
+    """[S, I] in the input's dtype from the [S, 2I] gate/up output (gate half first): `models/kimi_k3/situ_glu.py`'s
     "exp2" form on the CPU."""
     S, two_I = gate_up_S2I.shape
     if two_I % 2:

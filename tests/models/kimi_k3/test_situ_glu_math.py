@@ -1,4 +1,4 @@
-"""Tests for modelopt_ext.kernels.situ_glu_math: the CPU mirror of the SiTU-GLU kernel's "exp2" form, against
+"""Tests for modelopt_ext.models.kimi_k3.situ_glu_math: the CPU mirror of the SiTU-GLU kernel's "exp2" form, against
 the float64 formula beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta).
 
 The bound: the bf16 result within 0.51 bf16 ulp of the float64 value (correctly rounded but for near-ties) and
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from modelopt_ext.kernels import situ_glu_math
-from modelopt_ext.kernels.situ_glu_math import (
+from modelopt_ext.models.kimi_k3 import situ_glu_math
+from modelopt_ext.models.kimi_k3.situ_glu_math import (
     LOG2E,
     NEG_TWO_LOG2E,
     TANH_POLY_THRESHOLD,
