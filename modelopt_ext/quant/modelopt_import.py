@@ -10,7 +10,8 @@ holds nothing of the caller's, so nothing of the caller's is pinned.
 
 ModelOpt's generated sources: to quantize an attention class's KV cache, ModelOpt rewrites its source
 (`plugins.attention.register_attention_for_kv_quant`, run by `mtq.quantize` on a Hugging Face model whose
-attention it cannot quantize otherwise, e.g. Kimi-K3's MLA attention) and compiles the new `_Quant<Name>`
+attention it cannot quantize otherwise and that no family registered itself: Kimi-K3's adapter registers its
+attention classes, models/kimi_k3/mla.py) and compiles the new `_Quant<Name>`
 class with the rewritten source saved to `tempfile.NamedTemporaryFile(prefix="modelopt_", suffix=".py",
 delete=False)` as its file name: that file is only where tracebacks and `inspect.getsource` find the
 generated methods' lines (ModelOpt reads nothing back), and ModelOpt never removes it, so every process

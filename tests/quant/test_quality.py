@@ -1,6 +1,6 @@
 """modelopt_ext.quant.quality through `modelopt-ext ptq --quality-blocks`: the report on held-out blocks,
 written beside the export, leaves the export unchanged, and is the same at EP2 (2 gloo ranks) as in one
-process; formats.nvfp4's fake quantization against hand values."""
+process."""
 
 from __future__ import annotations
 
@@ -11,26 +11,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from modelopt_ext.cli import main
-from modelopt_ext.formats.nvfp4 import fake_quantize_nvfp4
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 from modelopt_ext.testing.nodes import node_env
 
 FAST = "--experts-implementation batched_mm --dtype float32 --calib-size 8 --batch-size 2 --seq-len 16".split()
-
-
-def test_nvfp4_fake_quantization_by_hand():
-    # amax 2688: per-tensor scale 1; block max 6 -> block scale 1: values round to the E2M1 grid
-    x = torch.tensor([[6.0, 0.7, -1.3, 2.6, 5.2, 0.2, 0.0, -6.0] * 2])
-    expected = torch.tensor([[6.0, 0.5, -1.5, 3.0, 6.0, 0.0, 0.0, -6.0] * 2])  # 0.7 -> 0.5, 2.6 -> 3, 5.2 -> 6
-    assert torch.equal(fake_quantize_nvfp4(x, 2688.0), expected)
-    # a block scale E4M3 holds exactly (0.5): the same grid, halved; a zero block stays zero
-    assert torch.equal(fake_quantize_nvfp4(x / 2, 2688.0), expected / 2)
-    assert not fake_quantize_nvfp4(torch.zeros(2, 16), 1.0).any()
-    with pytest.raises(ValueError, match="multiple of 16"):
-        fake_quantize_nvfp4(torch.ones(3, 8), 1.0)
 
 
 def _ptq(argv, tmp_path, ranks: int):

@@ -1,0 +1,77 @@
+"""modelopt_ext.ep.link: the exchange's shared records (`Layout`), the `Link` base and `NcclLink` on one gloo rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from modelopt_ext.ep.link import Layout, Link, NcclLink
+from modelopt_ext.testing.multiproc import free_port
+
+# two chunks, three ranks, two local experts: recv_blocks[w][c][e]
+RECV_BLOCKS = [[[1, 0], [2, 1]], [[0, 3], [0, 0]], [[2, 2], [1, 0]]]
+LAYOUT = Layout(send_sizes=[[2, 1, 0], [0, 4, 1]], recv_sizes=[[1, 3, 4], [3, 0, 1]], recv_blocks=RECV_BLOCKS)
+
+
+def test_layout_offsets_are_the_chunks_first_rows_and_the_total():
+    assert LAYOUT.send_off == [0, 3, 8]
+    assert LAYOUT.recv_off == [0, 8, 12]
+
+
+def test_chunk_segments_lay_the_received_rows_out_by_source_then_expert():
+    # chunk 0: rank 0 sends 1 row for expert 0, rank 1 3 rows for expert 1, rank 2 2 + 2; rows counted in the chunk
+    assert LAYOUT.chunk_segments(0) == [(0, 0, 1), (1, 1, 0), (0, 1, 0), (1, 1, 3), (0, 4, 2), (1, 6, 2)]
+    assert LAYOUT.chunk_segments(1) == [(0, 0, 2), (1, 2, 1), (0, 3, 0), (1, 3, 0), (0, 3, 1), (1, 4, 0)]
+    for c in (0, 1):  # the segments cover the chunk's received rows
+        assert sum(rows for _, _, rows in LAYOUT.chunk_segments(c)) == sum(LAYOUT.recv_sizes[c])
+
+
+def test_a_link_with_its_own_row_layout_gives_its_segments():
+    own = [[(1, 0, 4)], [(0, 0, 2), (1, 2, 2)]]
+    layout = Layout([[1, 1], [2, 2]], [[2, 2], [2, 2]], None, segments=own)
+    assert layout.chunk_segments(0) == [(1, 0, 4)] and layout.chunk_segments(1) == own[1]
+
+
+def test_the_base_link_buffers_and_received_slices():
+    link = Link()
+    link.layout_ = LAYOUT
+    x = torch.zeros(5, 6, dtype=torch.bfloat16)
+    send = link.send_buffer(x)
+    assert send.shape == (8, 6) and send.dtype == torch.bfloat16
+    recv = torch.arange(12.0).unsqueeze(1)
+    assert link.received(0, recv).flatten().tolist() == list(range(8))
+    chunk1 = link.received(1, recv)
+    assert chunk1.flatten().tolist() == [8, 9, 10, 11] and chunk1.data_ptr() == recv[8].data_ptr()  # a view
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-process gloo group (torn down afterwards, so no other test sees it)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_link_exchanges_counts_then_rows_and_results_back(one_rank_group):
+    link = NcclLink(one_rank_group)
+    send_WCE = torch.tensor([[[2, 1], [0, 3]]])  # one rank, two chunks, two experts
+    layout = link.layout(send_WCE)
+    assert link.layout_ is layout
+    assert layout.send_sizes == [[3], [3]] and layout.recv_sizes == [[3], [3]]
+    assert layout.recv_blocks == [[[2, 1], [0, 3]]] and layout.chunk_segments(1) == [(0, 0, 0), (1, 0, 3)]
+
+    x_TH = torch.arange(10.0).reshape(5, 2)
+    send_x, recv_x = link.send_buffer(x_TH), link.receive_buffer(x_TH)
+    assert send_x.shape == recv_x.shape == (6, 2)
+    for c, rows in enumerate((torch.tensor([4, 0, 2]), torch.tensor([1, 1, 3]))):
+        link.send(c, x_TH, rows, send_x, recv_x).wait()
+        assert torch.equal(send_x[3 * c:3 * c + 3], x_TH[rows])  # the chunk's rows gathered in send order
+        assert torch.equal(link.received(c, recv_x), x_TH[rows])  # one rank: received from itself
+    back = link.return_buffer(recv_x)
+    assert back.shape == (6, 2)
+    for c in range(2):
+        link.send_back(c, 10 * link.received(c, recv_x), back).wait()
+    assert torch.equal(back, 10 * recv_x)
