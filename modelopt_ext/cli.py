@@ -315,7 +315,7 @@ def _run_ptq(args) -> int:
 
     from modelopt_ext.dist import RankFailure
     from modelopt_ext.export.staging import Interrupted
-    from modelopt_ext.ptq import PtqError, interrupted_message, run_ptq
+    from modelopt_ext.ptq import PtqError, interrupted_message, resume_hint, run_ptq
 
     if int(os.environ.get("RANK", "0")) > 0 and not args.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports
@@ -327,11 +327,11 @@ def _run_ptq(args) -> int:
     try:
         summary = run_ptq(args)
     except Interrupted as e:  # SIGTERM/SIGINT: the export's staging is removed on every rank
-        report_error(interrupted_message(e))
+        report_error(interrupted_message(e) + resume_hint(e))
         return 128 + e.signum
     except (PtqError, RankFailure, ValueError, OSError) as e:
         logging.getLogger(__name__).debug("ptq failed", exc_info=True)
-        message = " ".join(line.strip() for line in str(e).splitlines())
+        message = " ".join(line.strip() for line in str(e).splitlines()) + resume_hint(e)
         print(f"modelopt-ext ptq: error: {message}", file=sys.stderr)
         return 1
     if summary.rank == 0:

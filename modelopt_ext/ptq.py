@@ -297,6 +297,20 @@ def run_ptq(args) -> PtqSummary:
                 leave_process_group()
 
 
+def resume_hint(e: BaseException) -> str:
+    """What the error line adds when a failure after calibrating kept the calibration state: how to export from
+    it without the forward passes ("" when nothing was kept)."""
+    kept, seen = None, set()
+    while e is not None and kept is None and id(e) not in seen:  # a signal while unwinding: the failure it ended
+        seen.add(id(e))
+        kept = getattr(e, "kept_state", None)
+        e = e.__context__
+    if kept is None:
+        return ""
+    return (f"; the calibration state is kept in {kept}: run again with the same arguments and --resume to export "
+            "without calibrating")
+
+
 def interrupted_message(e: Interrupted) -> str:
     """The error line's text for a run that SIGTERM or SIGINT stopped: the phase it reached, what it left, and
     the failure this rank was already unwinding from, if any (a signal that reaches a rank after its export
@@ -496,13 +510,17 @@ class _Run:
 
     @contextlib.contextmanager
     def _keeping_state(self):
-        """A failure from here to the engines' verdict (SIGTERM included) keeps the saved state; rank 0 says so."""
+        """A failure from here to the engines' verdict (SIGTERM included) keeps the saved state; rank 0 says so,
+        and the failure carries it (`kept_state`) for the error line (`resume_hint`)."""
         try:
             yield
-        except BaseException:
-            if self.rank == 0 and self.state is not None and self.state.directory.is_dir():
-                logger.warning("the calibration state in %s is kept: `ptq --resume` with the same arguments exports "
-                               "from it without calibrating", self.state.directory)
+        except BaseException as e:
+            if self.state is not None and self.state.directory.is_dir():
+                with contextlib.suppress(AttributeError):  # (an exception type that takes no attribute)
+                    e.kept_state = self.state.directory
+                if self.rank == 0:
+                    logger.warning("the calibration state in %s is kept: `ptq --resume` with the same arguments "
+                                   "exports from it without calibrating", self.state.directory)
             raise
 
     def _drop_state(self) -> None:

@@ -210,7 +210,9 @@ def test_a_signal_while_a_failed_export_unwinds_still_ends_in_the_error_line(tin
     assert main(["ptq", "--model", str(model), "--export-dir", str(out), *FAST]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("modelopt-ext ptq: error: export: interrupted by SIGTERM; the staging directory was removed and "
-                       "nothing was published (this rank was already failing: RuntimeError: lost the other rank)")
+                       "nothing was published (this rank was already failing: RuntimeError: lost the other rank); "
+                       f"the calibration state is kept in {tmp_path / '.out.calibration'}: run again with the same "
+                       "arguments and --resume to export without calibrating")
     assert calls and not out.exists() and not list(tmp_path.glob(".out.partial-*"))
 
 

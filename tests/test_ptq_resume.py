@@ -60,6 +60,9 @@ def test_a_failed_export_keeps_every_ranks_calibration_state(interrupted):
     state = root / ".export.calibration"
     assert sorted(_files(state)) == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]
     assert f"the calibration state in {state} is kept" in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("modelopt-ext ptq: error: ")]
+    hint = f"; the calibration state is kept in {state}: run again with the same arguments and --resume to export"
+    assert errors and all(hint in line for line in errors), errors  # every rank's error line says how to go on
     assert not (root / "export").exists()
 
 
@@ -124,6 +127,10 @@ def test_one_process_resume_is_byte_identical(tiny_ckpt, tmp_path, monkeypatch, 
     monkeypatch.setattr(ptq._Run, "_check_engines", failing)
     assert main(argv) == 1
     monkeypatch.undo()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"engines: RuntimeError: engines interrupted; the calibration state is kept in "
+                        f"{tmp_path / '.out.calibration'}: run again with the same arguments and --resume to export "
+                        "without calibrating"), err
     uninterrupted = _files(tmp_path / "out")
     state = tmp_path / ".out.calibration"
     saved = resume.read_header(state, 0)

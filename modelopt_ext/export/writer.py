@@ -543,9 +543,10 @@ def export_checkpoint(
                                    lambda: publish(staging, export_dir, overwrite) if rank == 0 else None)
             warnings = tuple(gather_objects(warnings)[0])
         except BaseException as e:
-            release_host_cache()
+            # first, in this order: a signal arriving in between would skip what follows (discard holds them)
             e.export_discarded = True  # read by `ptq`'s error line: nothing of this export is published
             discard(staging)  # on every rank: the one that was interrupted may not be rank 0
+            release_host_cache()
             raise
     seconds = time.perf_counter() - start
     logger.info("exported %d tensors (%s bytes) in %d files to %s in %.1f s", tensors, f"{total:,}", files.count,
