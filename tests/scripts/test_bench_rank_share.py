@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # key -> the keys each section must hold with a positive finite number
 NUMBERS = {
-    "calibrate": ("s_per_token", "forward_s_per_token", "roofline_share", "forward_roofline_share", "fixed_s"),
+    "calibrate": ("s_per_token", "forward_s_per_token", "roofline_share", "forward_roofline_share"),
     "experts": ("rows", "mxfp4_s", "dequant_s", "bf16_s", "mxfp4_over_bf16"),
     "memory": ("peak_bytes", "planned_bytes"),
     "export": ("bytes", "seconds", "bytes_per_s"),
@@ -61,6 +61,9 @@ def test_tiny_run_writes_every_figure(tmp_path):
     for section, keys in NUMBERS.items():
         for key in keys:
             assert _positive(r[section][key]), (section, key, r[section])
+    # wall - median forward x tokens: a difference of two timings, below zero within noise on a busy 2-core
+    # machine with the tiny run's two batches (seen: -0.11 s)
+    assert math.isfinite(r["calibrate"]["fixed_s"]) and r["calibrate"]["fixed_s"] < r["calibrate"]["wall_s"]
     assert isinstance(r["disk"]["cache_evicted"], bool)
     assert "Calibrate" in proc.stdout or "calibrate:" in proc.stdout  # the printed table
 
