@@ -297,14 +297,24 @@ def run_ptq(args) -> PtqSummary:
                 leave_process_group()
 
 
+def _chain(e: BaseException) -> list[BaseException]:
+    """`e` and every exception it was raised from or while handling (`__cause__`, `__context__`), `e` first."""
+    chain, seen = [], set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        c = todo.pop()
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            chain.append(c)
+            todo += [c.__cause__, c.__context__]
+    return chain
+
+
 def resume_hint(e: BaseException) -> str:
     """What the error line adds when a failure after calibrating kept the calibration state: how to export from
     it without the forward passes ("" when nothing was kept)."""
-    kept, seen = None, set()
-    while e is not None and kept is None and id(e) not in seen:  # a signal while unwinding: the failure it ended
-        seen.add(id(e))
-        kept = getattr(e, "kept_state", None)
-        e = e.__context__
+    # a signal while unwinding: the failure it ended carries it
+    kept = next((c.kept_state for c in _chain(e) if getattr(c, "kept_state", None) is not None), None)
     if kept is None:
         return ""
     return (f"; the calibration state is kept in {kept}: run again with the same arguments and --resume to export "
@@ -315,14 +325,7 @@ def interrupted_message(e: Interrupted) -> str:
     """The error line's text for a run that SIGTERM or SIGINT stopped: the phase it reached, what it left, and
     the failure this rank was already unwinding from, if any (a signal that reaches a rank after its export
     failed because another rank was stopped first)."""
-    chain, seen = [], set()
-    todo: list[BaseException | None] = [e]
-    while todo:
-        c = todo.pop()
-        if c is not None and id(c) not in seen:
-            seen.add(id(c))
-            chain.append(c)
-            todo += [c.__cause__, c.__context__]
+    chain = _chain(e)
     # what the run was failing with; an exception an `except` block was handling (e.g. a fallback import) is not one
     failures = [c for c in chain[1:] if not isinstance(c, Interrupted) and (
         isinstance(c, (PtqError, RankFailure)) or getattr(c, "export_discarded", False))]

@@ -51,3 +51,19 @@ def loads(monkeypatch):
     monkeypatch.setattr(modelopt_ext, "from_pretrained", refuse)
     monkeypatch.setattr(modelopt_ext.loading, "from_pretrained", refuse)
     return calls
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group (torn down afterwards, so no other test sees it); yields its group."""
+    import torch.distributed as dist
+
+    from modelopt_ext.testing.multiproc import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -24,7 +24,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from modelopt_ext.ep.dispatch import inverse_permutation, weighted_sum
 from modelopt_ext.ep.local import (
@@ -39,12 +38,8 @@ from modelopt_ext.ep.local import (
     sort_by_expert,
     use_segment_gemms,
 )
+from modelopt_ext.ep.sharding import local_tensor
 from modelopt_ext.options import DEFAULT, ExpertsOptions
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local part of an expert-parallel (DTensor) parameter, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @contextlib.contextmanager
@@ -147,8 +142,8 @@ class FusedExperts(nn.Module):
         if regrouped is not None:
             return regrouped
         with self.materialized(x_SL.dtype):
-            return expert_mlp(x_SL, local(self.gate_up_proj), local(self.down_proj), self._apply_gate, offs_E,
-                              segments, self.options.row_tile)
+            return expert_mlp(x_SL, local_tensor(self.gate_up_proj), local_tensor(self.down_proj), self._apply_gate,
+                              offs_E, segments, self.options.row_tile)
 
     def run_rows_collecting(self, x_SL: torch.Tensor, segments: list[Segment] | None = None,
                             offs_E: torch.Tensor | None = None, valid_S1: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,10 +160,10 @@ class FusedExperts(nn.Module):
         with self.materialized(x_SL.dtype):
             self.gate_up_proj_input_quantizer(masked(x_SL))
             self._observe_rows("gate_up_proj", x_SL, offs_E, segments)
-            h_SI = masked(self._apply_gate(project(x_SL, local(self.gate_up_proj), offs_E, segments)))
+            h_SI = masked(self._apply_gate(project(x_SL, local_tensor(self.gate_up_proj), offs_E, segments)))
             self.down_proj_input_quantizer(h_SI)
             self._observe_rows("down_proj", h_SI, offs_E, segments)
-            return masked(project(h_SI, local(self.down_proj), offs_E, segments))
+            return masked(project(h_SI, local_tensor(self.down_proj), offs_E, segments))
 
     def pipeline_rows(self, hidden_states: torch.Tensor):
         """What an expert-parallel pipeline (`ep.overlap`) may run on the received rows instead of this

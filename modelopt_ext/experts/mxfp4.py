@@ -17,9 +17,10 @@ import functools
 import torch
 from torch import nn
 
+from modelopt_ext.ep.sharding import local_tensor
 from modelopt_ext.formats.mxfp4 import GROUP_SIZE, check_scales, dequantize_mxfp4, dequantize_mxfp4_fused
 
-from .fused import FusedExperts, local
+from .fused import FusedExperts
 
 
 class PackedExperts(FusedExperts):
@@ -43,14 +44,14 @@ class PackedExperts(FusedExperts):
     def check_scales(self) -> None:
         """Refuse NaN scale bytes once (after loading), so forwards can dequantize without host syncs."""
         for name in self.PACKED:
-            check_scales(local(getattr(self, f"{name}_scale")))
+            check_scales(local_tensor(getattr(self, f"{name}_scale")))
 
     def _dequantized(self, name: str) -> torch.Tensor:
         if name in self._materialized:
             return self._materialized[name]
         # Under expert parallelism the packed tensors are DTensors sharded on the expert dim: the module's
         # experts are this rank's shard (num_experts is the local count), so dequantize the local part.
-        packed, scale = (local(getattr(self, f"{name}_{part}")) for part in ("packed", "scale"))
+        packed, scale = (local_tensor(getattr(self, f"{name}_{part}")) for part in ("packed", "scale"))
         if packed.is_cuda:
             return dequantize_mxfp4_fused(packed, scale, self.dequant_dtype)
         return dequantize_mxfp4(packed, scale, self.dequant_dtype, validate=False)

@@ -1,11 +1,8 @@
 """modelopt_ext.ep.link: the exchange's shared records (`Layout`), the `Link` base and `NcclLink` on one gloo rank."""
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from modelopt_ext.ep.link import Layout, Link, NcclLink
-from modelopt_ext.testing.multiproc import free_port
 
 # two chunks, three ranks, two local experts: recv_blocks[w][c][e]
 RECV_BLOCKS = [[[1, 0], [2, 1]], [[0, 3], [0, 0]], [[2, 2], [1, 0]]]
@@ -41,18 +38,6 @@ def test_the_base_link_buffers_and_received_slices():
     assert link.received(0, recv).flatten().tolist() == list(range(8))
     chunk1 = link.received(1, recv)
     assert chunk1.flatten().tolist() == [8, 9, 10, 11] and chunk1.data_ptr() == recv[8].data_ptr()  # a view
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-process gloo group (torn down afterwards, so no other test sees it)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_nccl_link_exchanges_counts_then_rows_and_results_back(one_rank_group):

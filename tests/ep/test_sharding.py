@@ -8,7 +8,6 @@ import fnmatch
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
@@ -21,7 +20,6 @@ from modelopt_ext.ep.sharding import (
     wildcard_names,
 )
 from modelopt_ext.models.kimi_k3.pinned import EP_PLAN, EXPERTS_GLOB
-from modelopt_ext.testing.multiproc import free_port
 
 PACKED = {f"{EXPERTS_GLOB}.{n}" for n in ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed",
                                            "down_proj_scale")}
@@ -118,18 +116,6 @@ def test_replicate_tp_plan_skips_whatever_the_ep_plan_dispatches(meta_models):
 
 
 # ---- localize_replicated_params ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_rank_group():
-    """A one-process gloo group (torn down afterwards, so no other test sees it)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _dtensor_param(mesh, placements, requires_grad=True, seed=0):

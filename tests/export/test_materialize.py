@@ -2,23 +2,9 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from modelopt_ext.export.materialize import expert_offset, materialize, plain, release
-from modelopt_ext.testing.multiproc import free_port
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-process gloo group (torn down afterwards, so no other test sees it)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _mesh(*names):
