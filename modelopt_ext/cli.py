@@ -32,7 +32,7 @@ def _add_make_tiny(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
     p.add_argument("--fit", type=int, default=0, metavar="N",
                    help="fit the random weights to the embedded corpus for N optimizer steps before storing them "
-                        "(default 0: random weights; for kimi_k3, 80 steps take about 40 s on a CPU)")
+                        "(default 0: random weights; 80 steps take about 40 s on a CPU for the default stand-in)")
 
 
 def _run_make_tiny(args) -> int:
@@ -44,15 +44,19 @@ def _run_make_tiny(args) -> int:
 
 
 def _add_forward(sub) -> None:
-    p = sub.add_parser("forward", help="load a checkpoint with transformers and run a text and a text+image forward")
+    p = sub.add_parser("forward", help="load a checkpoint with plain transformers (no adapter) and run its family's "
+                                       "smoke forwards (e.g. text and text+image)")
     p.add_argument("model")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
 
 
 def _run_forward(args) -> int:
-    from modelopt_ext.models.kimi_k3.standin.smoke import run_forwards
+    from modelopt_ext.families import Checkpoint
 
-    for line in run_forwards(args.model, args.dtype):
+    family = Checkpoint.read(args.model).family
+    if family.forward is None:
+        raise ValueError(f"family {family.name!r} has no smoke forward")
+    for line in family.forward(args.model, args.dtype):
         print(line)
     return 0
 
@@ -316,23 +320,28 @@ def _run_ptq(args) -> int:
     from modelopt_ext.dist import RankFailure
     from modelopt_ext.export.staging import Interrupted
     from modelopt_ext.ptq import PtqError, interrupted_message, resume_hint, run_ptq
+    from modelopt_ext.run_config import PtqConfig
 
     if int(os.environ.get("RANK", "0")) > 0 and not args.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # rank 0 reports
+
     def report_error(text: str) -> None:
         print(f"modelopt-ext ptq: error: {' '.join(line.strip() for line in text.splitlines())}", file=sys.stderr,
               flush=True)
 
-    args.report_error = report_error  # also for a rank that the failure watch stops (ranks skip callables)
     try:
-        summary = run_ptq(args)
+        config = PtqConfig.from_args(args)  # the same on every rank: each refuses bad values alike
+    except ValueError as e:
+        report_error(f"validate: {e}")
+        return 1
+    try:
+        summary = run_ptq(config, report_error=report_error)  # also for a rank that the failure watch stops
     except Interrupted as e:  # SIGTERM/SIGINT: the export's staging is removed on every rank
         report_error(interrupted_message(e) + resume_hint(e))
         return 128 + e.signum
     except (PtqError, RankFailure, ValueError, OSError) as e:
         logging.getLogger(__name__).debug("ptq failed", exc_info=True)
-        message = " ".join(line.strip() for line in str(e).splitlines()) + resume_hint(e)
-        print(f"modelopt-ext ptq: error: {message}", file=sys.stderr)
+        report_error(str(e) + resume_hint(e))
         return 1
     if summary.rank == 0:
         for line in summary.lines():

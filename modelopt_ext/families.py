@@ -99,6 +99,9 @@ class FamilySpec:
         prepare: `prepare(path, **from_pretrained_kwargs)` -> `modelopt_ext.loader.PreparedLoad`: every check,
             then how the generic loader patches, configures, builds, converts, warms up and checks the load;
             mutates nothing itself (the loader runs its `patch`).
+        forward: `forward(path, dtype_name)` -> summary lines: loads the checkpoint with plain transformers (the
+            family's own code, no adapter; remote code only once it matches the lock) and runs its forwards, raising
+            on non-finite logits (`modelopt-ext forward`), if the family has one.
         make_tiny: generator of the family's stand-in checkpoint, if it has one: `make_tiny(out_dir, seed=0,
             sizes={field: int}, force=False, fit_steps=0)` -> its path (`modelopt-ext make-tiny`; unknown sizes
             are a ValueError naming the family's).
@@ -126,6 +129,7 @@ class FamilySpec:
     converters: Callable[[str], list]
     prepare: Callable[..., Any]
     make_tiny: Callable[..., Path] | None = None
+    forward: Callable[[str, str], list[str]] | None = None
     router_glob: str | None = None
     sizes: Callable[[Mapping[str, Any]], Mapping[str, int]] | None = None
     bundled_configs: Mapping[str, Path] = dataclasses.field(default_factory=dict)
@@ -201,6 +205,31 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
     return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder with its config.json and family, read once and passed on (to the loader, the
+    calibration's recipe config and the export) instead of read again by each."""
+
+    path: Path
+    config: Mapping[str, Any]
+    family: FamilySpec
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+        object.__setattr__(self, "config", json.loads(json.dumps(dict(self.config))))  # its own copy: read only
+
+    @classmethod
+    def read(cls, path: str | Path) -> Checkpoint:
+        """Reads `path`/config.json and finds its family; errors name the file."""
+        config = read_config(path)
+        return cls(Path(path), config, family_for_config(config, source=str(Path(path) / "config.json")))
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        """A mutable deep copy of config.json's mapping (for code that edits or serializes it)."""
+        return json.loads(json.dumps(dict(self.config)))
 
 
 def source_quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -1,15 +1,36 @@
-"""`modelopt_ext.from_pretrained`: find the checkpoint's family, let it validate, patch and load."""
+"""Loading a checkpoint of a registered family: `modelopt_ext.from_pretrained` (the transformers-like entry) and
+`load_checkpoint` (what `ptq` calls with the context it resolved in validation).
+
+    model = modelopt_ext.from_pretrained(path, ep_size=8, dtype=torch.bfloat16, trust_remote_code=True)
+    loaded = load_checkpoint(Checkpoint.read(path), plan=plan, dtype=torch.bfloat16, trust_remote_code=True)
+    loaded.model, loaded.plan, loaded.bytes_read, loaded.warmup_s
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from torch import nn
 
 from modelopt_ext import loader
 from modelopt_ext.dist import DEFAULT_TIMEOUT_S, agree, all_or_fail, init_distributed
 from modelopt_ext.ep.backend import register_torch_a2a
-from modelopt_ext.families import family_for_config, read_config
+from modelopt_ext.families import Checkpoint
 from modelopt_ext.options import DEFAULT, ExpertsOptions, set_experts_options
 from modelopt_ext.plan import resolve_distribution_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A loaded model and what its load resolved and measured."""
+
+    model: nn.Module
+    plan: Any  # the distribution plan (`modelopt_ext.plan.DistributionPlan`) under EP, else None
+    bytes_read: Mapping[str, int]  # checkpoint bytes this rank read: "experts", "dense"
+    warmup_s: float | None  # the warm-up forward's seconds (None: none ran)
 
 
 def from_pretrained(
@@ -36,38 +57,46 @@ def from_pretrained(
             `experts_implementation`) plus family options (e.g. `remote_code_lock`).
     Returns:
         The model class `AutoModelForCausalLM` gives for the checkpoint, patched by the family adapter;
-        with EP its routed experts are sharded across the ranks (`model.modelopt_ext_plan` holds the plan).
+        with EP its routed experts are sharded across the ranks. What the load resolved and measured rides on
+        it: `modelopt_ext_plan` (under EP; `quant.calibrate` and `export_checkpoint` read it when not given a
+        plan), `modelopt_ext_bytes_read` and `modelopt_ext_warmup_s` (`LoadedCheckpoint`).
     """
     if not isinstance(experts_options, ExpertsOptions):  # checked before anything is read
         raise TypeError(f"experts_options must be a modelopt_ext.options.ExpertsOptions, got {experts_options!r}")
-    config = read_config(path)
-    family = family_for_config(config, source=str(Path(path) / "config.json"))
+    checkpoint = Checkpoint.read(path)
+    plan = None
     if ep_size is None:
         if dense is not None:
             raise ValueError(f"dense={dense!r} needs ep_size: it places the dense modules of an EP run")
-        return _with_options(_load(family, path, None, kwargs), experts_options)
-    if "distributed_config" in kwargs:
-        raise ValueError("pass either ep_size (modelopt_ext resolves the plan) or distributed_config, not both")
-    _, world_size = init_distributed(timeout_s)
-    plan = all_or_fail(
-        "planning", lambda: resolve_distribution_plan(config, world_size, family=family, ep_size=ep_size, dense=dense,
-                                                      experts_options=experts_options)
-    )
-    agree("the distribution plan", plan.to_dict())
-    register_torch_a2a()
-    model = all_or_fail("loading", lambda: _load(family, path, plan, kwargs))
-    model.modelopt_ext_plan = plan
-    return _with_options(model, plan.experts_options)
+    else:
+        if "distributed_config" in kwargs:
+            raise ValueError("pass either ep_size (modelopt_ext resolves the plan) or distributed_config, not both")
+        _, world_size = init_distributed(timeout_s)
+        plan = all_or_fail("planning", lambda: resolve_distribution_plan(
+            checkpoint.config, world_size, family=checkpoint.family, ep_size=ep_size, dense=dense,
+            experts_options=experts_options))
+        agree("the distribution plan", plan.to_dict())
+    loaded = load_checkpoint(checkpoint, plan=plan, experts_options=experts_options, **kwargs)
+    # for callers that get only the model (as transformers hangs `hf_device_map` on it); `ptq` passes these on
+    if plan is not None:
+        loaded.model.modelopt_ext_plan = plan
+    loaded.model.modelopt_ext_bytes_read = dict(loaded.bytes_read)
+    loaded.model.modelopt_ext_warmup_s = loaded.warmup_s
+    return loaded.model
 
 
-def _load(family, path, plan, kwargs):
-    """The generic loader with the family's hook; what it measured rides on the model (`modelopt_ext_*`)."""
-    result = loader.load(family.prepare, path, distribution_plan=plan, **kwargs)
-    result.model.modelopt_ext_bytes_read = dict(result.bytes_read)
-    result.model.modelopt_ext_warmup_s = result.warmup_s
-    return result.model
+def load_checkpoint(checkpoint: Checkpoint, *, plan=None, experts_options: ExpertsOptions = DEFAULT,
+                    **kwargs) -> LoadedCheckpoint:
+    """The generic loader (`modelopt_ext.loader`) with the family's hook, for a checkpoint already read and, under
+    EP, a plan the ranks already agreed on (inside their process group; its experts options win). Keyword
+    arguments as `from_pretrained`'s."""
+    if plan is not None:
+        register_torch_a2a()
+        experts_options = plan.experts_options
 
+    def load():
+        return loader.load(checkpoint.family.prepare, checkpoint.path, distribution_plan=plan, **kwargs)
 
-def _with_options(model, options: ExpertsOptions):
-    set_experts_options(model, options)
-    return model
+    result = load() if plan is None else all_or_fail("loading", load)  # EP loads are collective
+    set_experts_options(result.model, experts_options)
+    return LoadedCheckpoint(result.model, plan, dict(result.bytes_read), result.warmup_s)

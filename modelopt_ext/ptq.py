@@ -35,18 +35,17 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-import modelopt_ext
 from modelopt_ext.dist import (
     RankFailure,
     agree,
@@ -58,8 +57,10 @@ from modelopt_ext.dist import (
 )
 from modelopt_ext.export import writer
 from modelopt_ext.export.staging import Interrupted, interrupts_raise
+from modelopt_ext.families import Checkpoint
 from modelopt_ext.faults import FailureWatch
 from modelopt_ext.progress import ProgressBar, format_bytes, peak_device_bytes, peak_host_bytes
+from modelopt_ext.run_config import PtqConfig
 
 if TYPE_CHECKING:  # imported where used: modelopt_ext.quant imports ModelOpt (seconds), after the cheap checks
     from modelopt_ext.quant import recipes
@@ -68,8 +69,6 @@ logger = logging.getLogger(__name__)
 
 PHASES = ("validate", "load", "calibrate", "export", "engines", "summary")
 OPTIONAL_PHASES = {"quality": "calibrate"}  # phase -> the phase it follows; runs with --quality-blocks N > 0
-POSITIVE = ("calib_size", "batch_size", "seq_len", "ep", "experts_per_file", "timeout")
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: the bound on one collective wait must be a real bound
 
 
 class PtqError(RuntimeError):
@@ -80,17 +79,24 @@ class PtqError(RuntimeError):
         self.phase = phase
 
 
-@dataclasses.dataclass
-class Inputs:
-    """What validation resolved: the family, recipe, tokenizer, calibration texts and export folder."""
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What validation resolved, passed to load, calibrate and export (none of them reads it again): the
+    checkpoint (folder, config.json, family), the distribution plan under EP, the recipe, tokenizer, calibration
+    texts and export folder."""
 
-    family: Any
+    checkpoint: Checkpoint
+    plan: Any  # `modelopt_ext.plan.DistributionPlan` under EP, else None
     num_experts: int
     recipe: recipes.Recipe
     tokenizer: Any
     texts: list[str]
     export_dir: Path  # resolved (symlinks followed)
     lock: Path  # the remote-code lock the code was checked against
+
+    @property
+    def family(self):
+        return self.checkpoint.family
 
 
 @dataclasses.dataclass
@@ -178,26 +184,6 @@ class PtqSummary:
         return lines + self.quality + [self.coverage]
 
 
-def check_sizes(args) -> None:
-    """Every size and count argument is positive (None means unset); `--experts-option`s parse."""
-    from modelopt_ext.options import ExpertsOptions
-
-    ExpertsOptions.parse(getattr(args, "experts_option", None) or ())
-    for name in POSITIVE:
-        value = getattr(args, name, None)
-        option = f"--{name.replace('_', '-')}"
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{option} must be a finite number, got {value}")
-        if value is not None and value <= 0:
-            raise ValueError(f"{option} must be positive, got {value}")
-    if getattr(args, "quality_blocks", 0) < 0:
-        raise ValueError(f"--quality-blocks must be 0 (no quality report) or positive, got {args.quality_blocks}")
-    timeout = getattr(args, "timeout", None)
-    if timeout is not None and timeout > MAX_TIMEOUT_S:
-        raise ValueError(f"--timeout {timeout:g} s is more than a week ({MAX_TIMEOUT_S:g} s); it bounds every wait "
-                         "between ranks")
-
-
 def recipe_name(path: Path) -> str:
     """`kimi_k3/fp8_all` for a shipped recipe, the path otherwise."""
     from modelopt_ext.quant import recipes
@@ -207,8 +193,9 @@ def recipe_name(path: Path) -> str:
     return str(path)
 
 
-def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = None) -> Inputs:
-    """Check everything that can be checked before loading; raises ValueError/OSError naming the problem."""
+def validate(config: PtqConfig, *, rank: int = 0, world_size: int = 1, ep_size: int | None = None) -> RunContext:
+    """Check everything that can be checked before loading; raises ValueError/OSError naming the problem.
+    Returns the run's context: what load, calibrate and export use without reading it again."""
     from transformers import AutoTokenizer
 
     from modelopt_ext.checkpoint_files import check_checkpoint_files, check_tokenizer_files
@@ -217,27 +204,29 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
     from modelopt_ext.export.target import check_export_target, resolve_export_dir
     from modelopt_ext.families import family_for_config
     from modelopt_ext.lock import check_remote_code, load_lock
-    from modelopt_ext.plan import unsupported_replicas_message
+    from modelopt_ext.plan import resolve_distribution_plan, unsupported_replicas_message
 
-    check_sizes(args)
+    c = config
     # the source and the run's inputs are never in the way of the export: first, before anything is read
-    export_dir = resolve_export_dir(args.export_dir)
-    check_export_target(export_dir, args.model, {"--dataset": args.dataset, "--summary-json": args.summary_json,
-                                                 "--remote-code-lock": getattr(args, "remote_code_lock", None)})
-    if args.calib_size < world_size:
-        raise ValueError(f"--calib-size {args.calib_size} is smaller than the {world_size} ranks")
-    if args.dense is not None and ep_size is None:
-        raise ValueError(f"--dense {args.dense} places the dense layers of an EP run; there is no EP here")
-    config = check_checkpoint_files(args.model).config
-    family = family_for_config(config, source=str(Path(args.model) / "config.json"))
+    export_dir = resolve_export_dir(c.export_dir)
+    check_export_target(export_dir, c.model, {"--dataset": c.dataset, "--summary-json": c.summary_json,
+                                              "--remote-code-lock": c.remote_code_lock})
+    if c.calib_size < world_size:
+        raise ValueError(f"--calib-size {c.calib_size} is smaller than the {world_size} ranks")
+    if c.dense is not None and ep_size is None:
+        raise ValueError(f"--dense {c.dense} places the dense layers of an EP run; there is no EP here")
+    model_config = check_checkpoint_files(c.model).config
+    family = family_for_config(model_config, source=str(Path(c.model) / "config.json"))
+    checkpoint = Checkpoint(Path(c.model), model_config, family)
     if family.router_glob is None or family.sizes is None:
         raise ValueError(f"family {family.name!r} has no router glob or sizes: expert coverage cannot be recorded")
     # the remote code runs at load: refuse code that differs from the family's lock now, naming the files
-    lock = Path(args.remote_code_lock) if getattr(args, "remote_code_lock", None) else Path(family.remote_code_lock)
-    check_remote_code(Path(args.model), load_lock(lock))
-    num_experts = int(family.sizes(config)["num_experts"])
+    lock = Path(c.remote_code_lock) if c.remote_code_lock else Path(family.remote_code_lock)
+    check_remote_code(checkpoint.path, load_lock(lock))
+    num_experts = int(family.sizes(model_config)["num_experts"])
+    plan = None
     if ep_size is not None:
-        what = f"--ep {ep_size}" if args.ep is not None else f"EP degree {ep_size} (the world size; --ep not given)"
+        what = f"--ep {ep_size}" if c.ep is not None else f"EP degree {ep_size} (the world size; --ep not given)"
         problems = [f"it does not divide the {n} {unit}" for n, unit in
                     ((world_size, "ranks"), (num_experts, "routed experts of a layer")) if n % ep_size]
         if ep_size < 2:
@@ -246,45 +235,51 @@ def validate(args, *, rank: int = 0, world_size: int = 1, ep_size: int | None = 
             raise ValueError(f"{what} with {world_size} rank(s): " + "; ".join(problems))
         if ep_size < world_size:
             raise ValueError(unsupported_replicas_message(what, ep_size, world_size))
-    check_experts_per_file(num_experts, ep_size or 1, args.experts_per_file)
+        plan = resolve_distribution_plan(model_config, world_size, family=family, ep_size=ep_size, dense=c.dense,
+                                         experts_options=c.experts_options)
+    check_experts_per_file(num_experts, ep_size or 1, c.experts_per_file)
     from modelopt_ext.quant import recipes  # ModelOpt's first import, off this stack (quant.modelopt_import)
     from modelopt_ext.quant.data import load_texts
 
-    if args.qformat is not None:
-        source = recipes.recipe_for_qformat(args.qformat, family.name)
-    elif args.recipe is not None:
-        source = args.recipe
+    if c.qformat is not None:
+        source = recipes.recipe_for_qformat(c.qformat, family.name)
+    elif c.recipe is not None:
+        source = c.recipe
     elif family.default_recipe is not None:
         source = family.default_recipe
     else:
         raise ValueError(f"family {family.name!r} has no default recipe; give --recipe or --qformat")
-    recipe = recipes.load(source, overrides=args.set or ())
+    recipe = recipes.load(source, overrides=c.overrides)
     if family.serving is not None:  # a group an engine fuses into one GEMM must get one quantization
         from modelopt_ext.quant.fused_groups import check_fused_groups
         from modelopt_ext.quant.kv_cache import check_kv_cache
 
-        quant = recipes.quant_config(recipe, config)
-        check_fused_groups(quant["quant_cfg"], config, family.serving, str(recipe.path))
-        check_kv_cache(quant["quant_cfg"], config, family.serving, str(recipe.path), quant.sources)
+        quant = recipes.quant_config(recipe, model_config, family=family)
+        check_fused_groups(quant["quant_cfg"], model_config, family.serving, str(recipe.path))
+        check_kv_cache(quant["quant_cfg"], model_config, family.serving, str(recipe.path), quant.sources)
     # trust_remote_code=False: the tokenizer is not remote code, and None makes transformers ask on the
     # terminal (for up to 15 s) whether to run the checkpoint's configuration code
-    check_tokenizer_files(args.model)  # names a missing or garbled file; transformers would guess or fail late
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
-    texts = load_texts(args.dataset, tokenizer)
-    summary_dir = Path(args.summary_json).absolute().parent if args.summary_json else None
+    check_tokenizer_files(c.model)  # names a missing or garbled file; transformers would guess or fail late
+    tokenizer = AutoTokenizer.from_pretrained(c.model, trust_remote_code=False)
+    texts = load_texts(c.dataset, tokenizer)
+    summary_dir = Path(c.summary_json).absolute().parent if c.summary_json else None
     if rank == 0 and summary_dir is not None and not (summary_dir.is_dir() and os.access(summary_dir, os.W_OK)):
-        raise ValueError(f"--summary-json {args.summary_json}: {summary_dir} is not a writable directory")
-    check_export_target(export_dir, args.model, {"--recipe": recipe.path, "the remote-code lock": lock})
-    export_dir = writer.check_export_dir(export_dir, args.overwrite)
+        raise ValueError(f"--summary-json {c.summary_json}: {summary_dir} is not a writable directory")
+    check_export_target(export_dir, c.model, {"--recipe": recipe.path, "the remote-code lock": lock})
+    export_dir = writer.check_export_dir(export_dir, c.overwrite)
     if rank == 0:
-        stale_dirs(export_dir, overwrite=args.overwrite, remove=False)
-    return Inputs(family, num_experts, recipe, tokenizer, texts, export_dir, lock)
+        stale_dirs(export_dir, overwrite=c.overwrite, remove=False)
+    return RunContext(checkpoint, plan, num_experts, recipe, tokenizer, texts, export_dir, lock)
 
 
-def run_ptq(args) -> PtqSummary:
-    """Run the phases (see the module doc) for parsed `modelopt-ext ptq` arguments; returns the summary on
-    every rank. Joins the process group when WORLD_SIZE > 1 or `--ep` is given, and leaves it at the end."""
-    run = _Run(args)
+def run_ptq(config: PtqConfig, *, report_error: Callable[[str], None] | None = None) -> PtqSummary:
+    """Run the phases (see the module doc) for `config`; returns the summary on every rank. Joins the process
+    group when WORLD_SIZE > 1 or `config.ep` is given, and leaves it at the end. `report_error(text)`: how a rank
+    that the failure watch stops reports its error line (the CLI's; default: none)."""
+    if not isinstance(config, PtqConfig):
+        raise TypeError(f"run_ptq takes a modelopt_ext.run_config.PtqConfig, got {type(config).__name__} (from "
+                        "parsed CLI arguments: PtqConfig.from_args(args))")
+    run = _Run(config, report_error)
     # SIGTERM/SIGINT raise `Interrupted` anywhere in the run, leaving the process group included (once), so
     # every rank reaches its error line; before, a signal that came while a failed rank left the group (gloo
     # tears down for a while) found the default handler back and ended the rank with no line (seen in CI)
@@ -346,8 +341,9 @@ def interrupted_message(e: Interrupted) -> str:
 
 
 class _Run:
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, config: PtqConfig, report_error: Callable[[str], None] | None = None):
+        self.config = config
+        self.report_error = report_error
         self.rank, self.world_size, self.ep_size = 0, 1, None
         self.distributed = self.owns_group = False
         self.seconds: dict[str, float] = {}
@@ -374,17 +370,16 @@ class _Run:
             logger.info("%s done in %.1f s", name, self.seconds[name])
 
     def main(self) -> PtqSummary:
-        a = self.args
+        c = self.config
         with self.phase("validate"):
-            check_sizes(a)
             self._join()
             if self.distributed:
-                report = getattr(a, "report_error", None)  # the CLI's error line, for a rank the watch stops
+                report = self.report_error  # the CLI's error line, for a rank the watch stops
                 on_stop = (lambda message: report(f"{self.current}: {message}")) if report else None
-                self.watch.enter_context(FailureWatch(grace_s=min(15.0, float(a.timeout)), on_stop=on_stop))
-            agree("the ptq arguments", {k: v for k, v in sorted(vars(a).items()) if not callable(v)})
+                self.watch.enter_context(FailureWatch(grace_s=min(15.0, float(c.timeout)), on_stop=on_stop))
+            agree("the ptq arguments", c.to_dict())
             inputs = all_or_fail(
-                "validate", lambda: validate(a, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)
+                "validate", lambda: validate(c, rank=self.rank, world_size=self.world_size, ep_size=self.ep_size)
             )
             if self.distributed:
                 self._agree_on_inputs(inputs)
@@ -395,16 +390,17 @@ class _Run:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptq-tokenize") as pool:
             tokenizing = None if resuming else pool.submit(self._batches, inputs)
             with self.phase("load"):
-                model = all_or_fail("load", self._load)
+                loaded = all_or_fail("load", lambda: self._load(inputs))
+                model = loaded.model
             with self.phase("calibrate"):
                 if resuming:
                     result, tokens = self._restore(model, inputs)
                 else:
-                    result, tokens = self._calibrate(model, inputs, tokenizing)
+                    result, tokens = self._calibrate(loaded, inputs, tokenizing)
                     self._save_state(result, tokens)
         quality = None
         with self._keeping_state():
-            if getattr(a, "quality_blocks", 0):
+            if c.quality_blocks:
                 with self.phase("quality"):
                     quality = self._quality(result, inputs)
             with self.phase("export"):
@@ -414,7 +410,7 @@ class _Run:
                 engines = self._check_engines(inputs, export.export_dir)
                 self._drop_state()
         with self.phase("summary"):
-            summary = self._summary(model, inputs, export, tokens, result.coverage.summary_line(), result.seconds)
+            summary = self._summary(loaded, inputs, export, tokens, result.coverage.summary_line(), result.seconds)
             summary.engines = engines
             summary.resumed = str(self.state.directory) if resuming else None
             if quality is not None:
@@ -423,22 +419,25 @@ class _Run:
                 summary.quality = summary_lines(quality)
         if self.rank == 0:
             logger.info("ptq summary: %s", json.dumps(summary.to_dict()))
-            if a.summary_json:
+            if c.summary_json:
                 try:
-                    Path(a.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+                    Path(c.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
                 except OSError as e:
                     raise PtqError("summary", f"cannot write --summary-json: {e}") from e
         return summary
 
-    def _agree_on_inputs(self, inputs: Inputs) -> None:
+    def _agree_on_inputs(self, inputs: RunContext) -> None:
         """Every rank reads the same checkpoint, lock, recipe and dataset bytes (node-local copies may differ),
-        and writes into one export dir (a file rank 0 writes beside it is seen by every rank)."""
+        resolved the same distribution plan, and writes into one export dir (a file rank 0 writes beside it is
+        seen by every rank)."""
         from modelopt_ext.export import target
         from modelopt_ext.fingerprint import input_fingerprint
 
-        a = self.args
-        others = {"the remote-code lock": inputs.lock, "--recipe": inputs.recipe.path, "--dataset": a.dataset}
-        fingerprint = all_or_fail("validate", lambda: input_fingerprint(a.model, others))
+        c = self.config
+        if inputs.plan is not None:
+            agree("the distribution plan", inputs.plan.to_dict())
+        others = {"the remote-code lock": inputs.lock, "--recipe": inputs.recipe.path, "--dataset": c.dataset}
+        fingerprint = all_or_fail("validate", lambda: input_fingerprint(c.model, others))
         agree_files("checkpoints or inputs", fingerprint)
         probe = all_or_fail("validate", lambda: target.write_probe(inputs.export_dir) if self.rank == 0 else None)
         name, token = gather_objects(probe)[0]
@@ -449,22 +448,22 @@ class _Run:
             if self.rank == 0:
                 target.remove_probe(inputs.export_dir, name)
 
-    def _check_state(self, inputs: Inputs) -> _State:
+    def _check_state(self, inputs: RunContext) -> _State:
         """The calibration state's dir (`quant.resume`) passes the export target's checks; with --resume, this
         rank's saved state must be complete and from a run of this configuration (every rank refuses
         together, naming what changed); the ranks' states must come from one run."""
         from modelopt_ext.quant import resume
 
-        a = self.args
+        c = self.config
         directory = resume.state_dir(inputs.export_dir)
-        files = {"--dataset": a.dataset, "--summary-json": a.summary_json, "--recipe": inputs.recipe.path,
+        files = {"--dataset": c.dataset, "--summary-json": c.summary_json, "--recipe": inputs.recipe.path,
                  "the remote-code lock": inputs.lock}
 
         def check():
-            resume.check_location(directory, a.model, files)
-            header = resume.expected_header(a, recipe=inputs.recipe, lock=inputs.lock, rank=self.rank,
+            resume.check_location(directory, c.model, files)
+            header = resume.expected_header(c, recipe=inputs.recipe, lock=inputs.lock, rank=self.rank,
                                             world_size=self.world_size, ep_size=self.ep_size)
-            saved = resume.check_saved(directory, header) if getattr(a, "resume", False) else None
+            saved = resume.check_saved(directory, header) if c.resume else None
             return header, saved, resume.saved_exists(directory, self.rank)
 
         header, saved, exists = all_or_fail("validate", check)
@@ -503,13 +502,14 @@ class _Run:
         else:
             gather_objects(sizes)
 
-    def _restore(self, model, inputs: Inputs):
+    def _restore(self, model, inputs: RunContext):
         """--resume: ModelOpt's conversion with the recipe's config, then the saved calibration state."""
         from modelopt_ext.quant import recipes, resume
 
         state = self.state
         return all_or_fail("calibrate", lambda: resume.restore(
-            model, recipes.quant_config(inputs.recipe, model.config), state.directory, state.saved))
+            model, recipes.quant_config(inputs.recipe, model.config, family=inputs.family), state.directory,
+            state.saved))
 
     @contextlib.contextmanager
     def _keeping_state(self):
@@ -545,53 +545,52 @@ class _Run:
                 logger.info("removed the calibration state %s: the export is published", directory)
 
     def _join(self) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or self.args.ep is not None or dist.is_initialized():
+        c = self.config
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or c.ep is not None or dist.is_initialized():
             joined = dist.is_initialized()
             try:
-                self.rank, self.world_size = init_distributed(self.args.timeout)
+                self.rank, self.world_size = init_distributed(c.timeout)
             except RuntimeError as e:  # no torchrun environment, or the rendezvous failed
                 raise ValueError(str(e)) from e
             self.distributed, self.owns_group = True, not joined
-        self.ep_size = self.args.ep if self.args.ep is not None else (self.world_size if self.distributed else None)
+        self.ep_size = c.ep if c.ep is not None else (self.world_size if self.distributed else None)
 
-    def _load(self):
-        a = self.args
-        kwargs: dict[str, Any] = {"trust_remote_code": True, "dtype": getattr(torch, a.dtype)}
-        if getattr(a, "remote_code_lock", None):
-            kwargs["remote_code_lock"] = a.remote_code_lock
-        if a.experts_implementation is not None:
-            kwargs["experts_implementation"] = a.experts_implementation
-        from modelopt_ext.options import ExpertsOptions
+    def _load(self, inputs: RunContext):
+        """The checkpoint validation read, with the plan the ranks agreed on (`loading.load_checkpoint`)."""
+        from modelopt_ext.loading import load_checkpoint
 
-        kwargs["experts_options"] = ExpertsOptions.parse(getattr(a, "experts_option", None) or ())
-        if torch.cuda.is_available() and not getattr(a, "no_warmup", False):
-            kwargs["warmup_tokens"] = (a.batch_size, a.seq_len)  # a calibration batch's shape
-        if self.ep_size is None:
-            if torch.cuda.is_available():
-                kwargs["device_map"] = "cuda"
-            return modelopt_ext.from_pretrained(a.model, **kwargs)
-        return modelopt_ext.from_pretrained(a.model, ep_size=self.ep_size, dense=a.dense, timeout_s=a.timeout, **kwargs)
+        c = self.config
+        kwargs: dict[str, Any] = {"trust_remote_code": True, "dtype": getattr(torch, c.dtype)}
+        if c.remote_code_lock:
+            kwargs["remote_code_lock"] = c.remote_code_lock
+        if c.experts_implementation is not None:
+            kwargs["experts_implementation"] = c.experts_implementation
+        if torch.cuda.is_available() and not c.no_warmup:
+            kwargs["warmup_tokens"] = (c.batch_size, c.seq_len)  # a calibration batch's shape
+        if inputs.plan is None and torch.cuda.is_available():
+            kwargs["device_map"] = "cuda"
+        return load_checkpoint(inputs.checkpoint, plan=inputs.plan, experts_options=c.experts_options, **kwargs)
 
-    def _batches(self, inputs: Inputs) -> tuple[list[dict[str, torch.Tensor]], float]:
+    def _batches(self, inputs: RunContext) -> tuple[list[dict[str, torch.Tensor]], float]:
         """This rank's calibration batches and the seconds tokenizing took (`main` runs it on a thread while
         the model loads: a fast tokenizer releases the GIL while it encodes)."""
         from modelopt_ext.quant.data import calibration_batches
 
-        a = self.args
+        c = self.config
         started = time.perf_counter()
-        batches = calibration_batches(inputs.tokenizer, inputs.texts, calib_size=a.calib_size,
-                                      batch_size=a.batch_size, seq_len=a.seq_len, rank=self.rank,
+        batches = calibration_batches(inputs.tokenizer, inputs.texts, calib_size=c.calib_size,
+                                      batch_size=c.batch_size, seq_len=c.seq_len, rank=self.rank,
                                       world_size=self.world_size)
         return batches, round(time.perf_counter() - started, 3)
 
-    def _calibrate(self, model, inputs: Inputs, tokenizing: concurrent.futures.Future):
+    def _calibrate(self, loaded, inputs: RunContext, tokenizing: concurrent.futures.Future):
         from modelopt_ext.quant import recipes
         from modelopt_ext.quant.calibrate import calibrate
 
-        a = self.args
+        model = loaded.model
 
         def prepare():
-            cfg = recipes.quant_config(inputs.recipe, model.config)
+            cfg = recipes.quant_config(inputs.recipe, model.config, family=inputs.family)
             return cfg, *tokenizing.result()  # the tokenizing thread's exception, raised here
 
         started = time.perf_counter()
@@ -611,28 +610,28 @@ class _Run:
                 recipes.check_patterns_match(cfg, model)
             bar(done)
 
-        options = {"router_glob": inputs.family.router_glob, "num_experts": inputs.num_experts}
-        options.update(uncovered=a.uncovered_experts, progress=on_batch)
+        options = {"router_glob": inputs.family.router_glob, "num_experts": inputs.num_experts,
+                   "uncovered": self.config.uncovered_experts, "progress": on_batch, "plan": inputs.plan}
         prepared = time.perf_counter() - started  # the recipe's config, waiting for the batches, on the device
         with bar:
             result = all_or_fail("calibrate", lambda: calibrate(model, cfg, batches, **options))
-        warmup = getattr(model, "modelopt_ext_warmup_s", None)
+        warmup = loaded.warmup_s
         result.seconds = {**({"warmup": warmup} if warmup is not None else {}), "tokenize": tokenized,
                           "prepare": round(prepared, 3), **result.seconds}
         return result, tokens
 
-    def _quality(self, result, inputs: Inputs) -> dict:
+    def _quality(self, result, inputs: RunContext) -> dict:
         """The quality report (`quant.quality`) on --quality-blocks held-out blocks, the ones after the
         calibration blocks (never calibrated on), dealt to the ranks as calibration blocks are."""
         from modelopt_ext.quant.data import calibration_batches
         from modelopt_ext.quant.quality import measure_quality
 
-        a = self.args
+        c = self.config
 
         def held_out():
-            return calibration_batches(inputs.tokenizer, inputs.texts, calib_size=a.quality_blocks,
-                                       batch_size=a.batch_size, seq_len=a.seq_len, rank=self.rank,
-                                       world_size=self.world_size, skip_blocks=a.calib_size)
+            return calibration_batches(inputs.tokenizer, inputs.texts, calib_size=c.quality_blocks,
+                                       batch_size=c.batch_size, seq_len=c.seq_len, rank=self.rank,
+                                       world_size=self.world_size, skip_blocks=c.calib_size)
 
         batches = all_or_fail("quality", held_out)
         count = min(gather_objects(len(batches)))  # collective EP forwards: the same number on every rank
@@ -640,22 +639,22 @@ class _Run:
         batches = [{k: v.to(device) for k, v in b.items()} for b in batches[:count]]
         moe_glob = inputs.family.router_glob.rpartition(".")[0]
         return all_or_fail("quality", lambda: measure_quality(
-            result.model, batches, moe_glob=moe_glob, expert_input_scales=getattr(a, "expert_input_scales", "shared"),
+            result.model, batches, moe_glob=moe_glob, expert_input_scales=c.expert_input_scales,
             baseline_weight_amax=result.max_weight_amax))
 
-    def _export(self, result, inputs: Inputs, calibrated_tokens: int, quality: dict | None = None):
+    def _export(self, result, inputs: RunContext, calibrated_tokens: int, quality: dict | None = None):
         from modelopt_ext import provenance
 
-        a = self.args
+        c = self.config
         record = provenance.build(
-            recipe_name=recipe_name(inputs.recipe.path), recipe=inputs.recipe, overrides=a.set or (),
-            source=Path(a.model), family=inputs.family, lock=inputs.lock,
-            calibration={"tokens": calibrated_tokens, "blocks": a.calib_size, "seq_len": a.seq_len,
-                         "batch_size": a.batch_size, "dataset": a.dataset, "dtype": a.dtype,
-                         "uncovered_experts": a.uncovered_experts, "coverage": result.coverage.summary_line(),
-                         "expert_input_scales": getattr(a, "expert_input_scales", "shared"),
+            recipe_name=recipe_name(inputs.recipe.path), recipe=inputs.recipe, overrides=c.overrides,
+            source=Path(c.model), family=inputs.family, lock=inputs.lock,
+            calibration={"tokens": calibrated_tokens, "blocks": c.calib_size, "seq_len": c.seq_len,
+                         "batch_size": c.batch_size, "dataset": c.dataset, "dtype": c.dtype,
+                         "uncovered_experts": c.uncovered_experts, "coverage": result.coverage.summary_line(),
+                         "expert_input_scales": c.expert_input_scales,
                          "experts_without_tokens": sum(len(v) for v in result.coverage.uncovered().values())},
-            distribution={"world_size": self.world_size, "ep_size": self.ep_size, "dense": a.dense},
+            distribution={"world_size": self.world_size, "ep_size": self.ep_size, "dense": c.dense},
         )
 
         def write_extra(staging) -> None:
@@ -668,13 +667,13 @@ class _Run:
                 write_report(Path(staging), quality)
 
         with ProgressBar("export", enabled=self._show_progress(), unit="unit") as bar:
-            options = {"overwrite": a.overwrite, "experts_per_file": a.experts_per_file,
-                       "expert_input_scales": getattr(a, "expert_input_scales", "shared")}
+            options = {"overwrite": c.overwrite, "experts_per_file": c.experts_per_file,
+                       "expert_input_scales": c.expert_input_scales, "plan": inputs.plan}
             return writer.export_checkpoint(
-                result.model, a.export_dir, source_dir=a.model, **options, write_extra=write_extra, progress=bar
-            )
+                result.model, c.export_dir, source_dir=inputs.checkpoint, **options, write_extra=write_extra,
+                progress=bar)
 
-    def _check_engines(self, inputs: Inputs, export_dir: Path) -> dict[str, bool]:
+    def _check_engines(self, inputs: RunContext, export_dir: Path) -> dict[str, bool]:
         """The serving engines' loading rules on the published export (`export.engines`, what `modelopt-ext
         verify --engine all` checks), run by rank 0; a failed rule fails every rank, naming it. The export
         stays for inspection."""
@@ -682,7 +681,7 @@ class _Run:
             return {}
         from modelopt_ext.export.engines import check_engines, engine_verdicts, format_results
 
-        engines = [e for names in (getattr(self.args, "engine", None) or [["all"]]) for e in names]
+        engines = list(self.config.engines)
 
         def check():
             if self.rank != 0:
@@ -700,9 +699,9 @@ class _Run:
                              + " | ".join(failed[:3]) + (f" | {len(failed) - 3} more" if len(failed) > 3 else ""))
         return verdicts
 
-    def _summary(self, model, inputs: Inputs, export, tokens: int, coverage: str,
+    def _summary(self, loaded, inputs: RunContext, export, tokens: int, coverage: str,
                  calibrate_parts: dict[str, float]) -> PtqSummary:
-        read = sum(getattr(model, "modelopt_ext_bytes_read", {}).values())
+        read = sum(loaded.bytes_read.values())
         mine = {"tokens": tokens, "peak_host_bytes": peak_host_bytes(), "peak_device_bytes": peak_device_bytes(),
                 "calibrate_parts": calibrate_parts}
         rows = gather_objects({**mine, "bytes_read": read})
@@ -720,4 +719,4 @@ class _Run:
         )
 
     def _show_progress(self) -> bool:
-        return self.rank == 0 and not self.args.no_progress
+        return self.rank == 0 and not self.config.no_progress

@@ -50,6 +50,7 @@ def loads(monkeypatch):
 
     monkeypatch.setattr(modelopt_ext, "from_pretrained", refuse)
     monkeypatch.setattr(modelopt_ext.loading, "from_pretrained", refuse)
+    monkeypatch.setattr(modelopt_ext.loading, "load_checkpoint", refuse)  # what ptq calls
     return calls
 
 

@@ -227,6 +227,32 @@ def test_forward_on_tiny_ckpt(tiny_ckpt, capsys):
     assert logit_len > ids_len
 
 
+def test_forward_refuses_remote_code_that_differs_from_the_lock(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """`forward` runs the checkpoint's own remote code: only once it matches the family's lock."""
+    import transformers
+
+    from modelopt_ext.testing.checkpoints import copy_checkpoint
+
+    ckpt = copy_checkpoint(tiny_ckpt, tmp_path, "forward_tampered")
+    with (ckpt / "modeling_kimi_k3.py").open("a") as f:
+        f.write("\nraise SystemExit('tampered code ran')\n")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: pytest.fail("code loaded"))
+    assert main(["forward", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "modeling_kimi_k3.py" in err and "error" in err, err
+
+
+def test_forward_refuses_a_family_without_one(tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    from modelopt_ext.families import Checkpoint, families
+
+    spec = dataclasses.replace(families()["kimi_k3"], forward=None)
+    monkeypatch.setattr(Checkpoint, "read", lambda path: Checkpoint(path, {"model_type": "x"}, spec))
+    assert main(["forward", str(tmp_path)]) == 2
+    assert "family 'kimi_k3' has no smoke forward" in capsys.readouterr().err
+
+
 
 # ----------------------------------------------------------------------------------------------------
 # lock-remote-code

@@ -24,7 +24,7 @@ def config_only(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("options", [{"chunks": 2}, None, "chunks=2"])
 def test_experts_options_of_a_wrong_type_is_refused_before_reading(options, tmp_path, monkeypatch):
-    monkeypatch.setattr(loading, "read_config", lambda *a, **k: pytest.fail("read the config"))
+    monkeypatch.setattr(loading.Checkpoint, "read", lambda *a, **k: pytest.fail("read the config"))
     with pytest.raises(TypeError) as err:
         loading.from_pretrained(tmp_path / "missing", experts_options=options)
     assert str(err.value) == f"experts_options must be a modelopt_ext.options.ExpertsOptions, got {options!r}"
@@ -69,3 +69,33 @@ def test_without_ep_the_family_hook_loads_and_the_options_are_set(config_only, m
     assert model.modelopt_ext_bytes_read == {"a.safetensors": 12} and model.modelopt_ext_warmup_s == 0.5
     assert [m.options for m in model if isinstance(m, Experts)] == [options, options]
     assert not hasattr(model, "modelopt_ext_plan")
+
+
+def test_load_checkpoint_takes_the_read_checkpoint_and_the_plans_options(config_only, monkeypatch):
+    """`ptq`'s path: the checkpoint validation read and the plan the ranks agreed on go to the loader as they
+    are (nothing read again), the plan's experts options win, and what the load measured comes back on the
+    result, not on the model."""
+    from modelopt_ext.families import Checkpoint
+    from modelopt_ext.plan import resolve_distribution_plan
+
+    class Experts(nn.Module):
+        options = DEFAULT
+
+    model = nn.Sequential(Experts())
+    checkpoint = Checkpoint.read(config_only)
+    plan = resolve_distribution_plan(checkpoint.config, 64, family=checkpoint.family, ep_size=64,
+                                     device_memory_bytes=2**40, experts_options=ExpertsOptions(chunks=5))
+    calls = []
+
+    def load(prepare, path, **kwargs):
+        calls.append((prepare, path, kwargs))
+        return types.SimpleNamespace(model=model, bytes_read={"experts": 3}, warmup_s=None)
+
+    monkeypatch.setattr(loading.loader, "load", load)
+    monkeypatch.setattr(loading.Checkpoint, "read", lambda *a, **k: pytest.fail("read the config again"))
+    monkeypatch.setattr(loading, "register_torch_a2a", lambda: calls.append("a2a"))
+    loaded = loading.load_checkpoint(checkpoint, plan=plan, experts_options=ExpertsOptions(chunks=7), dtype="x")
+    assert calls == ["a2a", (spec.KIMI_K3.prepare, config_only, {"distribution_plan": plan, "dtype": "x"})]
+    assert (loaded.model, loaded.plan, loaded.bytes_read, loaded.warmup_s) == (model, plan, {"experts": 3}, None)
+    assert model[0].options == ExpertsOptions(chunks=5)
+    assert not hasattr(model, "modelopt_ext_plan") and not hasattr(model, "modelopt_ext_bytes_read")

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,14 @@ import yaml
 from transformers import AutoTokenizer
 
 import modelopt_ext
+import modelopt_ext.loading
 from modelopt_ext import ptq
 from modelopt_ext.cli import build_parser, main
 from modelopt_ext.dist import DEFAULT_TIMEOUT_S, RankFailure
 from modelopt_ext.export import writer
 from modelopt_ext.export.staging import Interrupted
 from modelopt_ext.quant.calibrate import POLICIES
+from modelopt_ext.run_config import PtqConfig
 from modelopt_ext.testing.checkpoints import copy_checkpoint
 from modelopt_ext.testing.nodes import node_env
 
@@ -56,6 +59,10 @@ def ckpt(tiny_ckpt, tmp_path_factory):
 
 def _parse(*argv: str):
     return build_parser().parse_args(["ptq", *argv])
+
+
+def _config(*argv: str) -> PtqConfig:
+    return PtqConfig.from_args(_parse(*argv))
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -143,11 +150,11 @@ def test_ep_needs_torchrun(ckpt, tmp_path, loads, capsys, monkeypatch):
 
 def test_validate_resolves_inputs(ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "check_export_dir", lambda d, overwrite: Path(d).absolute())
-    inputs = ptq.validate(_parse("--model", str(ckpt), "--export-dir", str(tmp_path / "o"), "--qformat", "fp8"))
+    inputs = ptq.validate(_config("--model", str(ckpt), "--export-dir", str(tmp_path / "o"), "--qformat", "fp8"))
     assert ptq.recipe_name(inputs.recipe.path) == "kimi_k3/fp8_all"
     assert (inputs.family.name, inputs.num_experts, inputs.export_dir) == ("kimi_k3", 16, tmp_path / "o")
     assert inputs.texts and inputs.tokenizer.eos_token_id is not None
-    default = ptq.validate(_parse("--model", str(ckpt), "--export-dir", str(tmp_path / "o")))
+    default = ptq.validate(_config("--model", str(ckpt), "--export-dir", str(tmp_path / "o")))
     assert ptq.recipe_name(default.recipe.path) == "kimi_k3/nvfp4_experts-fp8_attention"
 
 
@@ -273,9 +280,9 @@ def test_batches_are_tokenized_while_the_model_loads(tiny_ckpt, tmp_path, monkey
         started.set()
         return tokenize(*args, **kwargs)
 
-    def waiting_load(self):
+    def waiting_load(self, inputs):
         seen["started_before_load_ended"] = started.wait(timeout=10)
-        return load(self)
+        return load(self, inputs)
 
     def stop(model, cfg, batches, **options):
         seen["batches"] = batches
@@ -320,7 +327,7 @@ def test_a_failed_load_leaves_no_tokenizing_thread(ckpt, tmp_path, monkeypatch, 
         time.sleep(0.5)
         return tokenize(*args, **kwargs)
 
-    def failing_load(self):
+    def failing_load(self, inputs):
         raise OSError("disk gone")
 
     monkeypatch.setattr(writer, "check_export_dir", lambda d, overwrite: Path(d).absolute())
@@ -338,8 +345,9 @@ def test_the_warmup_runs_on_gpus_with_a_calibration_batch_shape(monkeypatch, cud
     CPU runs do not (modelopt_ext.warmup)."""
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(modelopt_ext, "from_pretrained", lambda path, **kwargs: seen.update(kwargs))
-    ptq._Run(_parse("--model", "m", "--export-dir", "out", "--batch-size", "2", "--seq-len", "16", *flags))._load()
+    monkeypatch.setattr(modelopt_ext.loading, "load_checkpoint", lambda checkpoint, **kwargs: seen.update(kwargs))
+    run = ptq._Run(_config("--model", "m", "--export-dir", "out", "--batch-size", "2", "--seq-len", "16", *flags))
+    run._load(types.SimpleNamespace(checkpoint=None, plan=None))
     assert seen.get("warmup_tokens") == expected
 
 
@@ -536,19 +544,20 @@ def test_ranks_fail_together_on_differing_arguments(tiny_ckpt, tmp_path):
 
 _LEAVES_NOTHING = '''
 import gc, json, os, sys, weakref
-import modelopt_ext
+import modelopt_ext.loading
 from modelopt_ext import ptq
 from modelopt_ext.cli import build_parser
+from modelopt_ext.run_config import PtqConfig
 
 loaded = []
-load = modelopt_ext.from_pretrained
+load = modelopt_ext.loading.load_checkpoint
 def recording_load(*args, **kwargs):
-    model = load(*args, **kwargs)
-    loaded.append(weakref.ref(model))
-    return model
-modelopt_ext.from_pretrained = recording_load
+    result = load(*args, **kwargs)
+    loaded.append(weakref.ref(result.model))
+    return result
+modelopt_ext.loading.load_checkpoint = recording_load
 
-ptq.run_ptq(build_parser().parse_args(sys.argv[1:]))
+ptq.run_ptq(PtqConfig.from_args(build_parser().parse_args(sys.argv[1:])))
 gc.collect()
 names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
 print("RESULT " + json.dumps({"rank": os.environ["RANK"], "model_freed": loaded[0]() is None,

@@ -64,7 +64,7 @@ from modelopt_ext.export.staging import (
     sync_staging,
 )
 from modelopt_ext.export.target import ExportDirError, check_export_dir
-from modelopt_ext.families import FamilySpec, experts_module_glob, family_for_config, read_config
+from modelopt_ext.families import Checkpoint, FamilySpec, experts_module_glob
 from modelopt_ext.lock import sha256_file
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class ExportResult:
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None) -> ExportFiles:
+def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None, plan) -> ExportFiles:
     layers, _, suffix = experts_module_glob(family).partition(".*.")
     container = model.get_submodule(layers)
     moe = tuple(i for i, layer in enumerate(container) if _has_submodule(layer, suffix))
@@ -111,7 +111,6 @@ def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | Non
         raise ValueError(
             f"the routed experts of layers {unquantized} ({layers}.*.{suffix}) are not quantized by the recipe; the "
             "per-rank exporter writes quantized experts only (keep them MXFP4 in the source checkpoint instead)")
-    plan = getattr(model, "modelopt_ext_plan", None)
     if plan is not None:
         plan.check_calibration_supported("export")
     ep_size = plan.ep_size if plan is not None else 1
@@ -427,7 +426,7 @@ def _after(write: concurrent.futures.Future, timing: _Timing, part: str, fn, pat
     return _timed(timing, part, fn, path)
 
 
-def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[dict[str, str]],
+def _finalize(staging: Path, source: Checkpoint, files: ExportFiles, maps: list[dict[str, str]],
               quant_config: dict, modelopt_config: dict, api, write_extra,
               digests: dict[str, str]) -> tuple[int, int]:
     """Rank 0: index, configs, copied source files, extra files, then the manifest (`digests`: sha256 of the
@@ -445,11 +444,11 @@ def _finalize(staging: Path, source_dir: Path, files: ExportFiles, maps: list[di
     total = sum(e.nbytes for f in sorted(planned) for e in (read_header(staging / f, []) or {}).values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    copy_source_files(source_dir, staging)
+    copy_source_files(source.path, staging)
     with warnings.catch_warnings():  # ModelOpt 0.47 warns that it cannot describe fp8_pb_wo; flat_quant_config does
         warnings.filterwarnings("ignore", message=".*Unsupported quantization algorithm 'fp8_pb_wo'.*")
         flat = api.convert_quant_config(modelopt_config)
-    config = exported_config(read_config(source_dir), flat_quant_config(flat, quant_config))
+    config = exported_config(source.config_dict, flat_quant_config(flat, quant_config))
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (staging / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
     if write_extra is not None:
@@ -470,11 +469,13 @@ def export_checkpoint(
     write_extra: Callable[[Path], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     expert_input_scales: str = "shared",
+    plan=None,
 ) -> ExportResult:
     """Export `model` (quantized by ModelOpt, possibly expert-parallel) to `export_dir`; see the module doc.
 
     Args:
-        source_dir: the checkpoint the model was loaded from (config, remote code, tokenizer, source dtypes).
+        source_dir: the checkpoint the model was loaded from (config, remote code, tokenizer, source dtypes): its
+            folder, or the `families.Checkpoint` the caller already read.
         overwrite: replace a non-empty `export_dir` (only once the new export is complete).
         experts_per_file: routed experts per safetensors file (see `files.py` for the default).
         write_extra: called on rank 0 with the staging directory to add files (e.g. coverage reports).
@@ -482,19 +483,23 @@ def export_checkpoint(
         expert_input_scales: "shared" (ModelOpt's: the layer's scale for every expert) or "per-expert" (each
             routed expert's input scale from its own calibration statistics, the layer's where it saw no
             token); export/expert_inputs.py.
+        plan: the distribution plan the model was loaded with (`modelopt_ext.plan`); default: the one
+            `modelopt_ext.from_pretrained` put on the model, if any.
     """
     if expert_input_scales not in EXPERT_INPUT_MODES:
         raise ValueError(f"expert_input_scales is {expert_input_scales!r}; expected one of {EXPERT_INPUT_MODES}")
     start = time.perf_counter()
     rank, world = (dist.get_rank(), dist.get_world_size()) if in_group() else (0, 1)
     export_dir = check_export_dir(export_dir, overwrite)
-    source_dir = Path(source_dir)
+    source = source_dir if isinstance(source_dir, Checkpoint) else None
+    if plan is None:
+        plan = getattr(model, "modelopt_ext_plan", None)
     api = modelopt_export_api()
 
-    def plan():
-        config = read_config(source_dir)
-        family = family_for_config(config, source=str(source_dir / "config.json"))
-        files = _file_plan(model, family, experts_per_file)
+    def plan_export():
+        checkpoint = source or Checkpoint.read(source_dir)
+        family, config = checkpoint.family, checkpoint.config_dict
+        files = _file_plan(model, family, experts_per_file, plan)
         dtype = export_dtype(model, api)
         api.prepare_moe_inputs(model, dtype, False)
         api.sync_moe_gate_up(model)
@@ -504,9 +509,10 @@ def export_checkpoint(
         quant_config = modelopt_config
         if family.serving is not None:  # as the serving engines parse it (export/serving.py)
             quant_config = serving_quant_config(modelopt_config, family.serving, config, _linear_modules(model, files))
-        return family, files, dtype, quant_config, modelopt_config, _source_dtypes(source_dir)
+        return checkpoint, files, dtype, quant_config, modelopt_config, _source_dtypes(checkpoint.path)
 
-    family, files, dtype, quant_config, modelopt_config, source_dtypes = all_or_fail("export planning", plan)
+    source, files, dtype, quant_config, modelopt_config, source_dtypes = all_or_fail("export planning", plan_export)
+    family = source.family
     agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
     with interrupts_raise():  # SIGTERM/SIGINT while staged: every rank removes the staging dir, then leaves
         staging = None
@@ -536,7 +542,7 @@ def export_checkpoint(
             casts = gather_objects((exporter.exact, exporter.requantized))
             inputs = gather_objects((exporter.inputs_own, exporter.inputs_shared))
             result = all_or_fail("export finalization", lambda: _finalize(
-                staging, source_dir, files, maps, quant_config, modelopt_config, api, write_extra, digests)
+                staging, source, files, maps, quant_config, modelopt_config, api, write_extra, digests)
                 if rank == 0 else None)
             tensors, total = gather_objects(result)[0]
             warnings = all_or_fail("export publishing",

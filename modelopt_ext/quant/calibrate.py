@@ -144,14 +144,17 @@ def calibrate(
     num_experts: int,
     uncovered: str = "weights",
     progress: Callable[[int], None] | None = None,
+    plan=None,
 ) -> CalibrationResult:
-    """Quantize `model` with ModelOpt, calibrating on `batches` (this rank's); see the module doc."""
+    """Quantize `model` with ModelOpt, calibrating on `batches` (this rank's); see the module doc. `plan`: the
+    distribution plan the model was loaded with (default: the one `modelopt_ext.from_pretrained` put on it)."""
     import_modelopt()  # done by this package's import already; makes sure ModelOpt leaves no temp files
     import modelopt.torch.quantization as mtq
 
     if uncovered not in POLICIES:
         raise ValueError(f"uncovered-experts policy {uncovered!r} is not one of {POLICIES}")
-    plan = getattr(model, "modelopt_ext_plan", None)
+    if plan is None:
+        plan = getattr(model, "modelopt_ext_plan", None)
     if plan is not None:
         plan.check_calibration_supported("calibrate")
     cfg = dict(quant_cfg)

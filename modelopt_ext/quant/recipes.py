@@ -374,7 +374,7 @@ def _literal_parts(glob: str) -> list[str]:
     return [] if any("[" in part or "]" in part for part in parts) else parts
 
 
-def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config) -> list[dict[str, Any]]:
+def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config, family=None) -> list[dict[str, Any]]:
     """Disabling entries for the family's `quantizer_exclusions(model_config)` globs (per-layer globs the YAML
     schema cannot express), appended after `quant_cfg`, except those that would change nothing: a glob that
     `quant_cfg` already disables after its last entry that may enable a quantizer, or that such a `*X*` glob
@@ -382,7 +382,7 @@ def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config) -
     `*self_attn.f_a_proj*`). ModelOpt matches every entry against
     every quantizer, so at Kimi-K3's 93 layers the redundant per-layer globs would cost most of the conversion
     (docs/calibration.md)."""
-    spec = _family(model_config)
+    spec = family or _family(model_config)
     final: list[str] = []  # pure disables after the last entry that may enable something
     for entry in quant_cfg:
         if _pure_disable(entry):
@@ -405,11 +405,11 @@ def family_exclusion_entries(quant_cfg: list[Mapping[str, Any]], model_config) -
 
 
 def quant_config(recipe: Mapping[str, Any] | str | os.PathLike, model_config, *,
-                 family_exclusions: bool = True) -> QuantConfig:
+                 family_exclusions: bool = True, family=None) -> QuantConfig:
     """What `mtq.quantize(model, config, forward_loop)` takes: the recipe's `quant_cfg` and `algorithm`,
     followed by the model family's exclusions (see the module docstring) unless `family_exclusions` is
     False. `recipe` is a loaded recipe or a name/path for `load`; `model_config` the model's config (or
-    the model)."""
+    the model); `family` its `FamilySpec` when the caller has it (else found from `model_config`)."""
     if not isinstance(recipe, Mapping):
         recipe = load(recipe)
     model_config = getattr(model_config, "config", model_config)
@@ -419,8 +419,9 @@ def quant_config(recipe: Mapping[str, Any] | str | os.PathLike, model_config, *,
     sources = list(getattr(recipe, "sources", None) or
                    [EntrySource(str(path or "recipe"), f"quantize.quant_cfg[{i}]") for i in range(len(quant_cfg))])
     if family_exclusions:
-        extra = family_exclusion_entries(quant_cfg, model_config)
-        name = _family(model_config).name
+        family = family or _family(model_config)
+        extra = family_exclusion_entries(quant_cfg, model_config, family)
+        name = family.name
         sources += [EntrySource(f"family {name!r}", f"quantizer_exclusions(config) {e['quantizer_name']!r}")
                     for e in extra]
         quant_cfg += extra

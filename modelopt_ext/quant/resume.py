@@ -10,7 +10,7 @@ TensorQuantizer's properties (`get_modelopt_state(properties_only=True)` plus th
 ModelOpt sets while calibrating) and its buffers (amax...), the per-expert input amax of the fused experts
 (`expert_input_amax`, export/expert_inputs.py), the coverage counts, `CalibrationResult.max_weight_amax`,
 the amax-sync report and this rank's calibration tokens. The header also holds what the state depends on,
-compared before anything is loaded on resume: the run's options (`run_config`), the checkpoint's fingerprint
+compared before anything is loaded on resume: the run's options (`PtqConfig.hashed()`), the checkpoint's fingerprint
 (`fingerprint.input_fingerprint`), the sha256 of the remote-code lock, the recipe file, the resolved recipe
 and the dataset, the versions `provenance.versions()` records, the world size, the EP degree and the rank.
 
@@ -43,10 +43,6 @@ logger = logging.getLogger(__name__)
 STATE_SUFFIX = ".calibration"  # `.NAME.calibration` beside the export dir NAME
 FORMAT = 1
 KIND = "modelopt_ext calibration state"
-# ptq options that change neither the calibration nor the export's bytes; every other option is part of
-# the run's configuration and must be the same on --resume (an option added later is compared by default)
-NOT_HASHED = ("resume", "overwrite", "no_progress", "timeout", "summary_json", "export_dir", "engine",
-              "quality_blocks", "no_warmup", "verbose", "command")
 # attributes ModelOpt sets on a quantizer while calibrating but leaves out of its modelopt_state
 SHAPE_ATTRIBUTES = ("_original_shape", "_block_reshape_size", "_padding")
 TMP_MARK = ".tmp-"
@@ -66,35 +62,23 @@ def _files(directory: Path, rank: int) -> tuple[Path, Path]:
     return directory / f"rank{rank}.json", directory / f"rank{rank}.safetensors"
 
 
-def run_config(args) -> dict[str, Any]:
-    """The options that decide the calibration and the export (all but `NOT_HASHED`), by option name; the
-    checkpoint path as the export's provenance records it (absolute)."""
-    config = {}
-    for key, value in sorted(vars(args).items()):
-        if key in NOT_HASHED or callable(value):
-            continue
-        if key == "model":
-            value = str(Path(value).absolute())
-        config["--" + key.replace("_", "-")] = list(value) if isinstance(value, tuple) else value
-    return config
-
-
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def expected_header(args, *, recipe, lock: Path, rank: int, world_size: int, ep_size: int | None) -> dict[str, Any]:
-    """What a state saved by this run holds besides its tensors (and what a resumed run must find)."""
+def expected_header(run, *, recipe, lock: Path, rank: int, world_size: int, ep_size: int | None) -> dict[str, Any]:
+    """What a state saved by this run holds besides its tensors (and what a resumed run must find); `run` is the
+    run's `modelopt_ext.run_config.PtqConfig`, whose `hashed()` options must match."""
     from modelopt_ext.fingerprint import input_fingerprint
     from modelopt_ext.provenance import versions
 
-    config = run_config(args)
-    prefix = f"--model {Path(args.model)}/"
-    checkpoint = {name.removeprefix(prefix): value for name, value in input_fingerprint(args.model, {}).items()}
+    config = run.hashed()
+    prefix = f"--model {Path(run.model)}/"
+    checkpoint = {name.removeprefix(prefix): value for name, value in input_fingerprint(run.model, {}).items()}
     resolved = json.loads(json.dumps(dict(recipe), default=lambda v: getattr(v, "value", str(v))))
     inputs = {"the remote-code lock": sha256_file(lock), "--recipe file": sha256_file(recipe.path),
               "the resolved recipe": _digest(resolved),
-              "--dataset": sha256_file(Path(args.dataset)) if args.dataset else None}
+              "--dataset": sha256_file(Path(run.dataset)) if run.dataset else None}
     return {"kind": KIND, "format": FORMAT, "rank": rank, "world_size": world_size, "ep_size": ep_size,
             "config": config, "config_sha256": _digest(config), "checkpoint": checkpoint,
             "checkpoint_sha256": _digest(checkpoint), "remote_code_lock": {"path": str(lock), "sha256": inputs[

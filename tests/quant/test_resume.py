@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import math
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from modelopt_ext.cli import build_parser
 from modelopt_ext.quant import resume
 from modelopt_ext.quant.coverage import Coverage
 
@@ -21,10 +19,6 @@ CFG = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
                      {"quantizer_name": "*weight_quantizer", "cfg": FP8},
                      {"quantizer_name": "*input_quantizer", "cfg": FP8}],
        "algorithm": "max"}
-
-
-def _args(*extra: str):
-    return build_parser().parse_args(["ptq", "--model", "ckpt", "--export-dir", "out", *extra])
 
 
 def test_state_dir_is_a_hidden_sibling_of_the_export_dir(tmp_path):
@@ -43,17 +37,6 @@ def test_codec_round_trips_quantizer_properties():
     assert math.isnan(resume._decode(json.loads(json.dumps(resume._encode(float("nan"), "x")))))
     with pytest.raises(ValueError, match=r"q.weight_quantizer._odd is a object"):
         resume._encode([object()], "q.weight_quantizer._odd")
-
-
-def test_run_config_leaves_out_only_options_that_change_no_byte():
-    base = resume.run_config(_args())
-    same = _args("--timeout", "30", "--overwrite", "--no-progress", "--summary-json", "s.json", "--resume",
-                 "--engine", "vllm", "--quality-blocks", "4", "--no-warmup")
-    assert resume.run_config(same) == base
-    assert base["--model"] == str(Path("ckpt").absolute()) and "--export-dir" not in base
-    for extra in (["--calib-size", "4"], ["--seq-len", "8"], ["--dtype", "float32"], ["--set", "a=1"],
-                  ["--experts-per-file", "2"], ["--expert-input-scales", "per-expert"], ["--ep", "2"]):
-        assert resume.run_config(_args(*extra)) != base, extra
 
 
 def _header(**changes) -> dict:

@@ -48,6 +48,12 @@ def _prepare(path, **kwargs):
     return adapter.prepare_load(path, **kwargs)
 
 
+def _forward(path, dtype_name: str = "bfloat16") -> list[str]:
+    from .standin.smoke import run_forwards
+
+    return run_forwards(path, dtype_name)
+
+
 def _make_tiny(out_dir, seed: int = 0, sizes=None, **kwargs):
     """The family's stand-in generator; `sizes` a TinySizes or a mapping of overrides of its fields."""
     import dataclasses
@@ -76,6 +82,7 @@ KIMI_K3 = register_family(
         converters=expert_converters,
         prepare=_prepare,
         make_tiny=_make_tiny,
+        forward=_forward,
         router_glob=f"{LAYERS}.block_sparse_moe.gate",
         sizes=plan_sizes,
         bundled_configs={"kimi-k3": BUNDLED_CONFIG},

@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
 from modelopt_ext.families import read_config
+from modelopt_ext.lock import check_remote_code, load_lock
+from modelopt_ext.models.kimi_k3.pinned import LOCK_FILE
 
 from .inputs import synthetic_image, text_image_inputs
 
@@ -54,6 +56,7 @@ def load_unpatched(model_dir: str, dtype: torch.dtype):
 def run_forwards(model_dir: str, dtype_name: str = "bfloat16") -> list[str]:
     """Returns one summary line per forward; raises if any logits are not finite."""
     read_config(model_dir)  # clear errors for a missing folder or config.json
+    check_remote_code(Path(model_dir), load_lock(LOCK_FILE))  # the remote code runs below: only the pinned one
     start = time.perf_counter()
     model = load_unpatched(model_dir, DTYPES[dtype_name])
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
