@@ -30,6 +30,13 @@ class ServingSpec:
         linear_shape: `linear_shape(config_json_mapping, module)` -> (out, in) of a fused group's member.
         kv_cache: what the engines do with a KV-cache quantization of the family's attention
             (`KVCacheServing`), or None where nothing is known (quant/kv_cache.py checks recipes against it).
+        sglang_key: `sglang_key(key)` -> a `quantized_layers` key as SGLang's model for the family maps it (its
+            weight mapper); default: unchanged.
+        trtllm_names: `trtllm_names(banks, view, others)` -> problems: how TensorRT-LLM's model for the family
+            looks up the routed experts banks (name -> format) and the other quantized modules in its view of the
+            quantization config (`export.engine_names.EngineView`); None: not known (the rule then fails, saying so).
+        sources: (engine, rule) -> the engine's model files a rule comes from, beside its generic loader's
+            (`export.engine_names.SOURCES`).
     """
 
     engines: tuple[str, ...]
@@ -39,6 +46,9 @@ class ServingSpec:
     layer_aliases: Callable[[str], tuple[str, ...]]
     linear_shape: Callable[[Mapping[str, Any], str], tuple[int, int] | None]
     kv_cache: KVCacheServing | None = None
+    sglang_key: Callable[[str], str] = str
+    trtllm_names: Callable[..., list[str]] | None = None
+    sources: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

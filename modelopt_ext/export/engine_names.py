@@ -9,19 +9,21 @@ Facts from the engines' loaders (docs/export.md, "Serving engines: the rules `ve
   bare `lm_head` for `*.lm_head`), then, for a fused module, by its shards' keys (they must agree), then by
   the first key under `module.`.
 - SGLang 0.5.23 (`python/sglang/srt/layers/quantization/modelopt_quant.py`) reads config.json too; it maps
-  the keys with the model's weight mapper (Kimi-K3: `block_sparse_moe` -> `mlp`, `language_model.layers.`
-  -> `language_model.model.layers.`), tries the module name, the same swap and `model.X` ->
-  `model.language_model.X` (never `language_model.model.X`), then shards, then the first key under it.
+  the keys with the model's weight mapper (the family's `ServingSpec.sglang_key`), tries the module name, the
+  same swap and `model.X` -> `model.language_model.X` (never `language_model.model.X`), then shards, then the
+  first key under it.
   Top-level `quant_algo` is compared exactly; per-layer names upper-cased.
-- TensorRT-LLM (`tensorrt_llm/quantization/modelopt_config.py`, `_torch/models/modeling_kimi_linear.py`)
-  takes `hf_quant_config.json` as authoritative, maps `fp8_pb_wo` (any case) to `FP8_BLOCK_SCALES` and
-  otherwise builds `QuantAlgo(name)`, an enum of upper-case names (so it is case-sensitive). Its Kimi-K3
-  runtime looks the routed experts up by an exact coarse key only and builds every other module in bf16.
+- TensorRT-LLM (`tensorrt_llm/quantization/modelopt_config.py`) takes `hf_quant_config.json` as
+  authoritative, maps `fp8_pb_wo` (any case) to `FP8_BLOCK_SCALES` and otherwise builds `QuantAlgo(name)`, an
+  enum of upper-case names (so it is case-sensitive). How its model code looks modules up is the family's
+  (`ServingSpec.trtllm_names`).
+
+What a family's model code adds (its weight mapper, its runtime's rules, its files) lives in the family's folder
+and reaches the checks through its `ServingSpec`.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,53 +42,38 @@ SGLANG_LAYER_ALGOS = ("FP8", "FP8_PB_WO", "FP8_BLOCK_SCALES", "MXFP8", "NVFP4", 
 TRTLLM_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "NVFP4", MIXED, "W4A8_NVFP4_FP8",
                 "W4A8_MXFP4_FP8", "W4A8_MXFP4_MXFP8", "W4A16_MXFP4", "W4A16_AWQ", "W4A8_AWQ", "W8A16", "W4A16",
                 "INT8")
-# TensorRT-LLM's Kimi-K3 runtime: the expert formats it loads (_K3_EXPERT_CKPT_SPECS), the keys it tries
-TRTLLM_EXPERT_ALGOS = ("NVFP4",)
-TRTLLM_EXPERT_PREFIXES = ("language_model.model.", "model.", "")
-TRTLLM_EXPERT_SUFFIXES = ("block_sparse_moe.experts", "mlp.experts")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 _VLLM = "vllm/model_executor/layers/quantization/modelopt.py"
-_VLLM_K3 = "vllm/models/kimi_k3/nvidia/model.py"
 _SGL = "sglang/srt/layers/quantization/modelopt_quant.py"
-_SGL_K3 = "sglang/srt/models/kimi_k3.py"
-_TRT_K3 = "tensorrt_llm/_torch/models/modeling_kimi_linear.py"
+# (engine, rule) -> where the generic loader implements it; the family's model files add to it, and are the
+# only source of the rules that only model code decides (`ServingSpec.sources`, `sources`)
 SOURCES: Mapping[tuple[str, str], str] = {
     ("vllm", "method"): f"{_VLLM}: ModelOptQuantConfigBase._extract_modelopt_quant_algo, QUANT_ALGOS",
     ("vllm", "fields"): f"{_VLLM}: ModelOptNvFp4Config._from_config, ModelOptMixedPrecisionConfig._from_config",
-    ("vllm", "names"): f"{_VLLM}: ModelOptMixedPrecisionConfig._resolve_quant_algo; {_VLLM_K3}: "
-                       "packed_modules_mapping",
-    ("vllm", "fused-groups"): f"{_VLLM}: FP8_PB_WO linear method create_weights; vllm/models/kimi_k3/nvidia/"
-                              "kda.py, mla.py",
+    ("vllm", "names"): f"{_VLLM}: ModelOptMixedPrecisionConfig._resolve_quant_algo",
+    ("vllm", "fused-groups"): f"{_VLLM}: FP8_PB_WO linear method create_weights",
     ("vllm", "exclusions"): f"{_VLLM}: is_layer_excluded; quantization/utils/quant_utils.py: is_layer_skipped",
-    ("vllm", "never-quantized"): f"{_VLLM_K3}: KimiMoE, AttnRes (quant_config=None)",
     ("vllm", "experts"): f"{_VLLM}: ModelOptNvFp4FusedMoE.create_weights, process_weights_after_loading",
     ("vllm", "scales"): f"{_VLLM}: ModelOptFp8*/ModelOptNvFp4* methods (stored scales used as loaded)",
     ("sglang", "method"): "sglang/srt/configs/model_config.py: _parse_quant_hf_config, "
                           "_parse_modelopt_quant_config",
     ("sglang", "fields"): f"{_SGL}: ModelOptMixedPrecisionConfig.from_config",
-    ("sglang", "names"): f"{_SGL}: ModelOptMixedPrecisionConfig._resolve_quant_algo, apply_weight_name_mapper; "
-                         f"{_SGL_K3}: hf_to_sglang_mapper",
-    ("sglang", "fused-groups"): "sglang/srt/layers/quantization/fp8.py: validate_block_quant_shapes; "
-                                f"{_SGL_K3}: load_weights",
+    ("sglang", "names"): f"{_SGL}: ModelOptMixedPrecisionConfig._resolve_quant_algo, apply_weight_name_mapper",
+    ("sglang", "fused-groups"): "sglang/srt/layers/quantization/fp8.py: validate_block_quant_shapes",
     ("sglang", "exclusions"): f"{_SGL}: is_layer_excluded; sglang/srt/layers/quantization/utils.py: "
                               "is_layer_skipped",
-    ("sglang", "never-quantized"): f"{_SGL_K3}: KimiK3MoE, AttnRes (quant_config=None)",
     ("sglang", "experts"): f"{_SGL}: ModelOptNvFp4FusedMoEMethod.create_weights, process_weights_after_loading",
     ("sglang", "scales"): f"{_SGL}: ModelOptFp8*/ModelOptNvFp4* methods (stored scales used as loaded)",
     ("trtllm", "method"): "tensorrt_llm/quantization/modelopt_config.py: is_modelopt_quant_config, "
                           "_canonicalize_algos; tensorrt_llm/quantization/mode.py: QuantAlgo",
     ("trtllm", "fields"): "tensorrt_llm/_torch/model_config.py: ModelConfig.from_pretrained, "
                           "_build_modelopt_quant_config",
-    ("trtllm", "names"): f"{_TRT_K3}: KimiK3MoERuntime._resolve_routed_quant_config, _K3_EXPERT_CKPT_SPECS",
-    ("trtllm", "fused-groups"): f"{_TRT_K3}: gate_up_proj from gate_proj + up_proj",
+
     ("trtllm", "exclusions"): "tensorrt_llm/_torch/models/modeling_utils.py: "
                               "is_module_excluded_from_quantization",
-    ("trtllm", "never-quantized"): f"{_TRT_K3}: gate, latent and AttnRes projections as bf16 nn.Linear",
     ("trtllm", "experts"): "tensorrt_llm/_torch/modules/fused_moe/quantization.py: NVFP4FusedMoEMethod."
                            "load_expert_fc31_input_scale_nvfp4, load_all_fp4_weight_scales_and_alphas",
-    ("trtllm", "scales"): "tensorrt_llm/_torch/modules/fused_moe/quantization.py, "
-                          f"{_TRT_K3}: _dequantize_fp8_block_scaled",
+    ("trtllm", "scales"): "tensorrt_llm/_torch/modules/fused_moe/quantization.py",
 }
 
 
@@ -127,14 +114,6 @@ def sglang_candidates(prefix: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def sglang_key(key: str) -> str:
-    """A `quantized_layers` key after SGLang's Kimi-K3 weight mapper (`apply_weight_name_mapper`)."""
-    key = key.replace("block_sparse_moe", "mlp")
-    if key.startswith("language_model.layers."):
-        key = "language_model.model.layers." + key.removeprefix("language_model.layers.")
-    return key
-
-
 def resolve(layers: Mapping[str, str], prefix: str, shards: Sequence[str],
             candidates: Callable[[str], list[str]]) -> tuple[str | None, str]:
     """(algorithm, how it was found) of module `prefix` in `quantized_layers` (keys as the engine holds them),
@@ -159,36 +138,6 @@ def resolve(layers: Mapping[str, str], prefix: str, shards: Sequence[str],
             if key.startswith(c + "."):
                 return algo, f"key {key} under it"
     return None, "no key"
-
-
-def trtllm_expert_keys(layer: int) -> list[str]:
-    """The exact keys TensorRT-LLM's Kimi-K3 runtime tries for the routed experts of decoder layer `layer`."""
-    return [f"{p}layers.{layer}.{s}" for p in TRTLLM_EXPERT_PREFIXES for s in TRTLLM_EXPERT_SUFFIXES]
-
-
-def trtllm_names(banks: Mapping[str, str], view: EngineView, others: Mapping[str, str]) -> list[str]:
-    """TensorRT-LLM's Kimi-K3 runtime: routed experts banks (name -> format their tensors have) must be NVFP4
-    and, under MIXED_PRECISION, listed under an exact coarse key; every other quantized module (`others`)
-    is built in bf16 from a dequantized FP8 block weight (`_dequantize_fp8_block_scaled`)."""
-    problems = []
-    for bank, have in banks.items():
-        if have not in TRTLLM_EXPERT_ALGOS:
-            problems.append(f"{bank} carries {have}: the Kimi-K3 runtime loads routed experts as NVFP4 only")
-        if view.algo != MIXED:
-            if view.algo != have:
-                problems.append(f"{bank} carries {have} but the top-level quant_algo is {view.algo}")
-            continue
-        layer = _LAYER.search(bank)
-        keys = trtllm_expert_keys(int(layer.group(1))) if layer else []
-        key = next((k for k in keys if k in view.layers), None)
-        if key is None:
-            problems.append(f"{bank}: no exact quantized_layers key {' | '.join(keys[:2])} | ...: TensorRT-LLM "
-                            "defaults the experts to W4A8_MXFP4_MXFP8")
-        elif view.layers[key] != have:
-            problems.append(f"{bank} carries {have} but {key} says {view.layers[key]}")
-    problems += [f"{unit} carries {have}: the Kimi-K3 runtime builds it in bf16 and dequantizes only FP8 block "
-                 "weights" for unit, have in others.items() if have != "FP8_PB_WO"]
-    return problems
 
 
 def method_problems(engine: str, flat: Mapping | None, nested: Mapping | None) -> list[str]:
@@ -279,9 +228,11 @@ class EngineView:
     exclude: tuple[str, ...]
 
 
-def engine_view(engine: str, flat: Mapping | None, nested: Mapping | None) -> EngineView:
+def engine_view(engine: str, flat: Mapping | None, nested: Mapping | None,
+                sglang_key: Callable[[str], str] = str) -> EngineView:
     """What `engine` reads: TensorRT-LLM hf_quant_config.json, the others config.json's flat copy first
-    (SGLang falls back to hf_quant_config.json for a missing quantized_layers and maps the keys)."""
+    (SGLang falls back to hf_quant_config.json for a missing quantized_layers and maps the keys with the
+    model's weight mapper, `sglang_key`: the family's `ServingSpec.sglang_key`)."""
     q = ((nested or flat) if engine == "trtllm" else (flat or nested)) or {}
     listed = _layers(q) or (_layers(nested) if engine == "sglang" and nested else {})
     key = sglang_key if engine == "sglang" else str
@@ -329,6 +280,17 @@ def mismatch(unit: str, name: str, have: str, algo: str | None, how: str) -> lis
     if have == "unquantized":
         return [f"{shown} is unquantized but resolves to {want} ({how}): the engine would quantize it"]
     return [f"{shown} carries {have} but resolves to {want} ({how})"]
+
+
+# rules only the engine's model code decides: their source is the family's (`ServingSpec.sources`)
+RULES_WITHOUT_LOADER_SOURCE = (("vllm", "never-quantized"), ("sglang", "never-quantized"), ("trtllm", "names"),
+                               ("trtllm", "fused-groups"), ("trtllm", "never-quantized"))
+
+
+def sources(engine: str, rule: str, family_sources: Mapping[tuple[str, str], str]) -> str:
+    """Where a rule comes from: the generic loader's source, then the family's model files (`ServingSpec.sources`)."""
+    found = [s for s in (SOURCES.get((engine, rule)), family_sources.get((engine, rule))) if s]
+    return "; ".join(found) or "the family's model code (no source recorded)"
 
 
 def _layers(q: Mapping) -> dict[str, Mapping]:

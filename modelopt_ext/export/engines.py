@@ -142,7 +142,8 @@ class _Export:
         return list(dict.fromkeys(p for ps in found if isinstance(ps, list) for p in ps if isinstance(p, str)))
 
     def view(self, engine: str) -> en.EngineView:
-        return self.once(f"view {engine}", lambda: en.engine_view(engine, self.flat, self.nested))
+        return self.once(f"view {engine}", lambda: en.engine_view(engine, self.flat, self.nested,
+                                                                  self.serving.sglang_key))
 
     def excluded(self, engine: str, name: str, shards: Sequence[str] = ()) -> bool:
         return en.excluded(engine, name, self.view(engine).exclude, shards)
@@ -151,9 +152,12 @@ class _Export:
 def _rule_names(exp: _Export, engine: str) -> tuple[list[str], list[str]]:
     view, serving = exp.view(engine), exp.serving
     if engine == "trtllm":
+        if serving.trtllm_names is None:
+            return [f"how TensorRT-LLM's model code for family {exp.family.name!r} looks modules up is not known "
+                    "(ServingSpec.trtllm_names)"], []
         quantized = [u for u in exp.quantized_units() if u not in exp.banks and not serving.never_quantized(u)]
-        return en.trtllm_names({b: exp.format_of(b) for b in exp.banks}, view,
-                               {u: exp.format_of(u) for u in quantized}), []
+        return serving.trtllm_names({b: exp.format_of(b) for b in exp.banks}, view,
+                                    {u: exp.format_of(u) for u in quantized}), []
     candidates = en.vllm_candidates if engine == "vllm" else en.sglang_candidates
 
     def wanted(name: str, shards: Sequence[str] = ()) -> tuple[str | None, str]:
@@ -344,7 +348,8 @@ def check_engines(export_dir: str | Path, engines: Sequence[str] = en.ENGINES) -
                     problems, notes = [f"no serving facts for {engine} in family {family.name!r}"], []
                 else:
                     problems, notes = check(exp, engine)
-                results.append(RuleResult(engine, rule, en.SOURCES[(engine, rule)], tuple(problems), tuple(notes)))
+                source = en.sources(engine, rule, exp.serving.sources)
+                results.append(RuleResult(engine, rule, source, tuple(problems), tuple(notes)))
     logger.debug("engine checks of %s: %d rule(s), %d failed", export_dir, len(results),
                  sum(not r.ok for r in results))
     return results

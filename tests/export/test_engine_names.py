@@ -9,9 +9,8 @@ from modelopt_ext.export.engine_names import (
     resolve,
     same_algo,
     sglang_candidates,
-    sglang_key,
+    sources,
     trtllm_algo,
-    trtllm_expert_keys,
     vllm_candidates,
 )
 
@@ -40,17 +39,12 @@ def test_prefix_candidates():
         "model.language_model.layers.0.mlp", "language_model.model.layers.0.mlp"]
 
 
-def test_sglang_key():
-    assert sglang_key("language_model.layers.3.block_sparse_moe.experts") == "language_model.model.layers.3.mlp.experts"
-    assert sglang_key("language_model.model.layers.3.self_attn.q_proj") == "language_model.model.layers.3.self_attn.q_proj"
-
-
-def test_trtllm_expert_keys():
-    assert trtllm_expert_keys(2) == [
-        "language_model.model.layers.2.block_sparse_moe.experts", "language_model.model.layers.2.mlp.experts",
-        "model.layers.2.block_sparse_moe.experts", "model.layers.2.mlp.experts",
-        "layers.2.block_sparse_moe.experts", "layers.2.mlp.experts",
-    ]
+def test_sources_join_the_loader_and_the_family_files():
+    assert sources("vllm", "names", {}) == "vllm/model_executor/layers/quantization/modelopt.py: " \
+        "ModelOptMixedPrecisionConfig._resolve_quant_algo"
+    assert sources("vllm", "names", {("vllm", "names"): "m.py: X"}).endswith("_resolve_quant_algo; m.py: X")
+    assert sources("trtllm", "never-quantized", {("trtllm", "never-quantized"): "m.py"}) == "m.py"
+    assert sources("trtllm", "never-quantized", {}) == "the family's model code (no source recorded)"
 
 
 def test_resolve_exact_key_then_shards_then_a_key_under_it():

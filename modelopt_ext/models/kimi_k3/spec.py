@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from modelopt_ext.families import FamilySpec, PredictionSpec, ServingSpec, register_family
 
-from . import prediction, serving
+from . import engine_rules, prediction, serving
 from .config_check import check_config
 from .convert import expert_converters
 from .pinned import EP_PLAN, LAYERS, LOCK_FILE, MIN_VERSIONS, REVISION
@@ -97,6 +97,9 @@ KIMI_K3 = register_family(
             layer_aliases=serving.layer_aliases,
             linear_shape=serving.linear_shape,
             kv_cache=serving.KV_CACHE,
+            sglang_key=engine_rules.sglang_key,
+            trtllm_names=engine_rules.trtllm_names,
+            sources=engine_rules.SOURCES,
         ),
         prediction=PredictionSpec(
             measurement=prediction.MEASUREMENT,
