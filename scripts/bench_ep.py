@@ -46,7 +46,7 @@ from modelopt_ext.ep.backend import run_local_experts
 from modelopt_ext.ep.dispatch import combine, count_ids, dispatch, inverse_permutation
 from modelopt_ext.ep.link import Routing
 from modelopt_ext.ep.overlap import overlapped_moe
-from modelopt_ext.ep.token_link import TokenLink
+from modelopt_ext.ep.token_link import route_tokens
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_fused
 from modelopt_ext.models.kimi_k3 import experts as experts_module
 from modelopt_ext.models.kimi_k3.experts import KimiK3Experts
@@ -166,12 +166,12 @@ def experts_options(experts, **changes):
 
 def token_split_sizes(ids, E: int, group) -> tuple[list[int], list[int]]:
     """Token rows this rank sends to / receives from each rank under the token dispatch (one per token and
-    rank owning one of its experts; `TokenLink`'s own plan, one chunk), for the raw exchange of the bytes it
-    moves."""
+    rank owning one of its experts; the token link's `route_tokens`, one chunk), for the raw exchange of the
+    bytes it moves."""
     W = dist.get_world_size(group)
     chunk_T = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
     routing = Routing(ids, torch.argsort(ids.reshape(-1), stable=True), chunk_T, 1)
-    send = TokenLink(group, E)._plan_tokens(routing, W)[0]
+    send = route_tokens(routing, W, E).tokens_CW[0]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return send.tolist(), recv.tolist()

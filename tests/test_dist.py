@@ -10,14 +10,67 @@ import pytest
 from modelopt_ext.dist import end_process, init_distributed
 from modelopt_ext.testing.multiproc import free_port, run_ranks
 
-BODY = "modelopt_ext.testing.ep_bodies:"
 WORLD = 3
+
+
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def dist_all_or_fail_and_agree(rank: int, world_size: int):
+    """all_or_fail and agree on every rank: what each returned or raised, as plain values."""
+    from modelopt_ext.dist import RankFailure, agree, all_or_fail
+
+    def outcome(fn):
+        try:
+            return {"value": fn(), "error": None}
+        except RankFailure as e:
+            cause = e.__cause__
+            return {"value": None, "error": str(e), "type": type(e).__name__,
+                    "cause": None if cause is None else f"{type(cause).__name__}: {cause}"}
+
+    def fail_on(ranks):
+        def fn():
+            if rank in ranks:
+                raise ValueError(f"boom on rank {rank}")
+            return rank * 10
+        return fn
+
+    differing = world_size - 1
+    return {
+        "one_fails": outcome(lambda: all_or_fail("step one", fail_on({1}))),
+        "two_fail": outcome(lambda: all_or_fail("step two", fail_on({1, 2}))),
+        "all_succeed": outcome(lambda: all_or_fail("step three", fail_on(set()))),
+        "agree_equal": outcome(lambda: agree("the plan", {"ep": world_size, "dense": "replicate"})),
+        "agree_differs": outcome(lambda: agree("the width", 128 + (rank == differing))),
+    }
+
+
+def dist_stalled_rank(rank: int, world_size: int, timeout_s: float, stall_s: float):
+    """Lower the group's timeout to `timeout_s`; rank 1 stalls `stall_s` before the collective. Returns how
+    long each rank's all_or_fail took and what it raised."""
+    import datetime
+    import time
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from modelopt_ext.dist import all_or_fail
+
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    if rank == 1:
+        time.sleep(stall_s)
+    start = time.monotonic()
+    try:
+        all_or_fail("the stalled step", lambda: rank)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    return {"elapsed": time.monotonic() - start, "error": error}
 
 
 @pytest.fixture(scope="module")
 def outcomes():
     """Per rank, per scenario: {"value", "error", "type", "cause"} (one run of 3 ranks for every scenario)."""
-    return run_ranks(BODY + "dist_all_or_fail_and_agree", WORLD, timeout_s=120)
+    return run_ranks(dist_all_or_fail_and_agree, WORLD, timeout_s=120)
 
 
 def test_all_or_fail_one_rank_raises_every_rank_raises_the_same(outcomes):
@@ -60,7 +113,7 @@ def test_agree_raises_on_every_rank_naming_both_values_and_the_differing_rank(ou
 def test_a_stalled_rank_makes_the_other_fail_within_the_group_timeout():
     """The group's timeout is lowered to 1.5 s inside the body (the worker initialised it with 120 s)."""
     timeout_s, stall_s = 1.5, 4.0
-    results = run_ranks(BODY + "dist_stalled_rank", 2, {"timeout_s": timeout_s, "stall_s": stall_s}, timeout_s=60)
+    results = run_ranks(dist_stalled_rank, 2, {"timeout_s": timeout_s, "stall_s": stall_s}, timeout_s=60)
     waiting = results[0]
     assert waiting["error"] is not None, "rank 0 should fail while rank 1 stalls"
     assert waiting["elapsed"] < timeout_s + 3.0, waiting

@@ -8,8 +8,11 @@ do the transfer over NVLink and the SMs stay with the GEMMs. Only one-block barr
 Per rank, one symmetric buffer holds two regions: received rows, laid out expert-major ([chunk][local
 expert][source]: each expert's rows of a chunk are one segment, so the experts run on them in place without
 the regrouping gathers NCCL's [source][expert] blocks need) and returned expert outputs (this rank's send
-layout [chunk][destination][local expert]). Each (peer, expert) block is one copy. A call, on one side
-stream (`_streams`):
+layout [chunk][destination][local expert]). Each (peer, expert) block is one copy. `CopyEngineLink` takes the
+steps of `link.Link` in the same order; the link object holds the process group, the device, the buffer and
+the side stream (shared by every link of the same group and device), and each call's plan is a `CopyPlan`: a
+`link.Layout` whose segments are the expert-major ones, plus this rank's copies (`PeerPlan`, from `peer_plan`)
+and the tokens' dtype and width. A call, on one side stream (`_streams`):
   1. a barrier: every rank has finished with its buffers from the previous call (each rank's side stream
      first waits for its compute stream);
   2. per chunk, once its send rows are gathered (rows for this rank itself are gathered straight into its own
@@ -23,6 +26,9 @@ all_gather of every rank's per-chunk counts, read back with the call's one host 
 split sizes need). The buffer grows, with a device synchronize and a collective rendezvous, when a call needs
 more than it holds; every rank computes the same size from the same counts, so all grow together. Barriers
 time out after `BARRIER_TIMEOUT_MS` (the kernel traps: the CUDA error fails the rank instead of a hang).
+Since every call of a group and device uses the same buffer, from the same first row, calls through the copy
+engines must not interleave (`ep.links` declares this: `concurrent_calls=False`); consecutive calls are
+ordered by the barrier of step 1.
 """
 
 from __future__ import annotations
@@ -191,66 +197,78 @@ def _recorded(stream) -> torch.cuda.Event:
     return event
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CopyPlan(Layout):
+    """One call's plan through `CopyEngineLink`: the `Layout` (sizes and the expert-major segments), this rank's
+    copies (`PeerPlan`) and the rows' dtype and width (the tokens'; the expert outputs must match them)."""
+
+    peer: PeerPlan
+    dtype: torch.dtype
+    width: int
+
+
 class CopyEngineLink(Link):
     """The exchange steps `ep.overlap.overlapped_moe` takes, through copy engines (see the module doc)."""
 
-    def __init__(self, group, x_TH: torch.Tensor):
-        if not x_TH.is_cuda:
-            raise ValueError(f"the copy-engine exchange needs CUDA tensors; the tokens are on {x_TH.device} "
+    def __init__(self, group, device: torch.device):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the copy-engine exchange needs CUDA tensors; the tokens are on {device} "
                              "(use the 'nccl' transport)")
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.device, self.dtype, self.width = x_TH.device, x_TH.dtype, x_TH.shape[1]
+        self.device = device
         self.buffer = _buffer(group, self.device)
         self.peer_stream = _side_stream(self.device)
 
-    def layout(self, send_WCE: torch.Tensor, routing=None):
-        """Every rank's counts (one all_gather, one host read) -> this call's `link.Layout`; grows the
-        buffer when needed and opens the call with a barrier."""
+    def plan(self, send_WCE: torch.Tensor, routing, x_TH: torch.Tensor) -> CopyPlan:
+        """Every rank's counts (one all_gather, one host read) -> this call's `CopyPlan`; grows the buffer when
+        needed and opens the call with a barrier."""
+        if x_TH.device != self.device:
+            raise ValueError(f"this copy-engine link moves rows on {self.device}; the tokens are on {x_TH.device}")
         W, C, E = send_WCE.shape
+        dtype, width = x_TH.dtype, x_TH.shape[1]
         every = torch.empty(W, W, C, E, dtype=send_WCE.dtype, device=send_WCE.device)
         dist.all_gather_into_tensor(every, send_WCE.contiguous(), group=self.group)
-        self.plan = peer_plan(every.tolist(), self.rank)  # the host sync
-        self.buffer.ensure(self.plan.capacity_rows * self.width * self.dtype.itemsize)
+        peer = peer_plan(every.tolist(), self.rank)  # the host sync
+        self.buffer.ensure(peer.capacity_rows * width * dtype.itemsize)
         self.peer_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.peer_stream):
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        self.layout_ = Layout(self.plan.send_sizes, self.plan.recv_sizes, None, self.plan.segments)
-        return self.layout_
+        return CopyPlan(peer.send_sizes, peer.recv_sizes, None, peer.segments, peer=peer, dtype=dtype, width=width)
 
-    def receive_buffer(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.buffer.rows(self.rank, 0, self.layout_.recv_off[-1], self.width, self.dtype)
+    def receive_buffer(self, plan: CopyPlan, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.buffer.rows(self.rank, 0, plan.recv_off[-1], plan.width, plan.dtype)
 
-    def return_buffer(self, y: torch.Tensor) -> torch.Tensor:
-        if y.dtype != self.dtype or y.shape[1] != self.width:
-            raise ValueError(f"the copy-engine exchange returns rows like the tokens ({self.dtype}, width "
-                             f"{self.width}); the experts gave {y.dtype}, width {y.shape[1]}")
-        return self.buffer.rows(self.rank, self.plan.back_base[self.rank], self.layout_.send_off[-1], self.width,
-                                self.dtype)
+    def return_buffer(self, plan: CopyPlan, y: torch.Tensor) -> torch.Tensor:
+        if y.dtype != plan.dtype or y.shape[1] != plan.width:
+            raise ValueError(f"the copy-engine exchange returns rows like the tokens ({plan.dtype}, width "
+                             f"{plan.width}); the experts gave {y.dtype}, width {y.shape[1]}")
+        return self.buffer.rows(self.rank, plan.peer.back_base[self.rank], plan.send_off[-1], plan.width,
+                                plan.dtype)
 
-    def send(self, c: int, x_TH: torch.Tensor, source_rows: torch.Tensor, send_x: torch.Tensor,
+    def send(self, plan: CopyPlan, c: int, x_TH: torch.Tensor, source_rows: torch.Tensor, send_x: torch.Tensor,
              recv_x: torch.Tensor) -> _Arrived:
         """Gather chunk c's send rows (this rank's own straight into place in its receive region), copy each
         (peer, expert) block into the peer's receive region, barrier."""
-        lay, me = self.layout_, self.rank
-        first = lay.send_off[c]
-        for d, src, dst, n in self.plan.sends[c]:
+        me, first = self.rank, plan.send_off[c]
+        for d, src, dst, n in plan.peer.sends[c]:
             rows = source_rows[src - first:src - first + n]
             torch.index_select(x_TH, 0, rows, out=recv_x[dst:dst + n] if d == me else send_x[src:src + n])
-        return self._copy_to_peers(self.plan.sends[c], send_x)
+        return self._copy_to_peers(plan, plan.peer.sends[c], send_x)
 
-    def send_back(self, c: int, y: torch.Tensor, back: torch.Tensor) -> _Arrived:
+    def send_back(self, plan: CopyPlan, c: int, y: torch.Tensor, back: torch.Tensor) -> _Arrived:
         """Chunk c's expert outputs (receive layout) to their sources' return regions: this rank's own blocks
         with one gather into its return region (compute stream), the others by the copy engines."""
-        me, base = self.rank, self.plan.back_base[self.rank]
-        own = [(src, dst, n) for s, src, dst, n in self.plan.returns[c] if s == me]
+        me, base = self.rank, plan.peer.back_base[self.rank]
+        own = [(src, dst, n) for s, src, dst, n in plan.peer.returns[c] if s == me]
         if own:  # the own blocks' destinations follow each other (send layout: destination, then expert)
             first = own[0][1] - base
             rows = block_rows([src for src, _, _ in own], [n for _, _, n in own], y.device)
             torch.index_select(y, 0, rows, out=back[first:first + rows.shape[0]])
-        return self._copy_to_peers(self.plan.returns[c], y)
+        return self._copy_to_peers(plan, plan.peer.returns[c], y)
 
-    def _copy_to_peers(self, copies: list[Copy], source: torch.Tensor) -> _Arrived:
+    def _copy_to_peers(self, plan: CopyPlan, copies: list[Copy], source: torch.Tensor) -> _Arrived:
         """On the side stream, once the compute stream has written `source`: its rows copied into the peers'
         buffers (the copies to other ranks, rank + 1 first, so that at W > 2 the ranks start on different
         peers), then a barrier, so the rows every rank sent here have arrived when it completes."""
@@ -261,6 +279,6 @@ class CopyEngineLink(Link):
         with torch.cuda.stream(self.peer_stream):
             self.peer_stream.wait_event(ready)
             for peer, src, dst, n in peers:
-                self.buffer.rows(peer, dst, n, self.width, self.dtype).copy_(source[src:src + n])
+                self.buffer.rows(peer, dst, n, plan.width, plan.dtype).copy_(source[src:src + n])
             self.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
             return _Arrived(_recorded(self.peer_stream))

@@ -1,11 +1,15 @@
 """The registry of the expert-parallel exchange's links: which exist, what each needs, which one a call takes.
 
-A link moves one `overlapped_moe` call's rows (`ep.link`: its protocol and `Layout`). Each is registered here
-once, with what it declares it needs (`LinkSpec`): CUDA tensors, every rank on one host, autograd (none
-supports it: `overlapped_moe` is inference-only). `choose` maps the experts options (`transport`,
-`token_dispatch`) to a link; `build` refuses one whose needs are not met, naming them, before it allocates
-anything. `tests/ep/test_overlap.py` runs every registered link that can run on the machine at several chunk
-counts against the reference dispatch/combine, and says which it skipped and why.
+A link moves the rows of `overlapped_moe` calls (`ep.link`: the protocol `Link`, whose steps all take the
+call's frozen plan, and the records `Layout` and `Routing`); one file per link: `ep.link` (NCCL, one row per
+slot), `ep.token_link` (NCCL, one row per token and rank), `ep.copy_engine` (copy engines into peer-mapped
+memory). Each is registered here once, with the capabilities it declares (`LinkSpec`): whether it needs CUDA
+tensors, whether every rank must run on one host, whether it passes gradients (none does: `overlapped_moe` is
+inference-only) and whether one link object may serve interleaved calls. `choose` maps the experts options
+(`transport`, `token_dispatch`) to a link; `build` refuses one whose needs are not met, naming them, before
+it allocates anything, and otherwise makes the link object (which holds nothing of a call).
+`tests/ep/test_links.py` runs every registered link that can run on the machine at several chunk counts
+against the reference dispatch/combine, and says which it skipped and why.
 """
 
 from __future__ import annotations
@@ -31,26 +35,29 @@ class LinkSpec:
         name: its name in the registry.
         transport: the `ExpertsOptions.transport` that selects it ("nccl" or "copy_engine").
         token_dispatch: the `ExpertsOptions.token_dispatch` that selects it among the NCCL links (None: any).
-        make: `make(group, x_TH, num_local_experts)` -> a new link for one call.
+        make: `make(group, device)` -> a link object for the process group and the tokens' device.
         cuda_only: it moves CUDA tensors only.
         one_host_only: every rank of the group must run on this host (peer-mapped memory).
         autograd: it passes gradients (no link does; `overlapped_moe` refuses tensors that need them).
+        concurrent_calls: one link object may serve calls whose steps interleave (the copy engines may not:
+            every call of a group and device uses the same peer-mapped rows).
     """
 
     name: str
     transport: str
     token_dispatch: bool | None
-    make: Callable[[object, torch.Tensor, int], Link]
+    make: Callable[[object, torch.device], Link]
     cuda_only: bool = False
     one_host_only: bool = False
     autograd: bool = False
+    concurrent_calls: bool = True
 
 
 LINKS: dict[str, LinkSpec] = {spec.name: spec for spec in (
-    LinkSpec("nccl", "nccl", False, lambda group, x, E: NcclLink(group)),
-    LinkSpec("nccl_tokens", "nccl", True, lambda group, x, E: TokenLink(group, E)),
-    LinkSpec("copy_engine", "copy_engine", None, lambda group, x, E: CopyEngineLink(group, x),
-             cuda_only=True, one_host_only=True),
+    LinkSpec("nccl", "nccl", False, lambda group, device: NcclLink(group)),
+    LinkSpec("nccl_tokens", "nccl", True, lambda group, device: TokenLink(group)),
+    LinkSpec("copy_engine", "copy_engine", None, lambda group, device: CopyEngineLink(group, device),
+             cuda_only=True, one_host_only=True, concurrent_calls=False),
 )}
 
 
@@ -87,12 +94,12 @@ def unmet_needs(spec: LinkSpec, x_TH: torch.Tensor) -> list[str]:
     return unmet
 
 
-def build(spec: LinkSpec, group, x_TH: torch.Tensor, num_local_experts: int) -> Link:
-    """A new `spec` link for one call, once its needs are checked."""
+def build(spec: LinkSpec, group, x_TH: torch.Tensor) -> Link:
+    """A `spec` link for these tokens' process group and device, once its needs are checked."""
     unmet = unmet_needs(spec, x_TH)
     if unmet:
         raise ValueError(f"the {spec.name!r} EP link needs {' and '.join(unmet)}")
-    return spec.make(group, x_TH, num_local_experts)
+    return spec.make(group, x_TH.device)
 
 
 def _one_host() -> bool | None:

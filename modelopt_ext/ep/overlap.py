@@ -15,10 +15,14 @@ contiguous and the local experts run on the received buffer in place (`local.blo
 gather; per chunk, per local expert, per source rank through the copy engines, so each expert's rows are one
 segment.
 
-The rows move through a link (`ExpertsOptions.transport`): NCCL's `all_to_all_single` (`NcclLink`), or copy
-engines into peer-mapped memory (`ep.copy_engine.CopyEngineLink`, CUDA ranks of one host), which leave the SMs to the
-experts' GEMMs. A link gives the call's sizes (`layout`, the one host sync), the receive and return buffers,
-and the two asynchronous steps per chunk (`send`, `send_back`) whose results the compute stream waits for.
+The rows move through a link (`ExpertsOptions.transport`, chosen by the registry `ep.links`): NCCL's
+`all_to_all_single` (`link.NcclLink`; `token_link.TokenLink` sends each token once per rank), or copy engines
+into peer-mapped memory (`copy_engine.CopyEngineLink`, CUDA ranks of one host), which leave the SMs to the
+experts' GEMMs. `overlapped_moe` takes the link's steps in the order `link.Link` declares: `plan` (the counts
+exchange and the one host sync) returns the call's frozen plan, and every later step gets that plan: the send
+and receive buffers, per chunk `send`, then `received` (the rows the experts run on) and `send_back`, with
+`return_buffer` once, after the first chunk's experts. The compute stream waits for the handles `send` and
+`send_back` return. The link object keeps nothing of the call.
 """
 
 from __future__ import annotations
@@ -47,14 +51,27 @@ from .local import Segment, gather_weighted_sum
 RunRows = Callable[[torch.Tensor, Sequence[Segment]], torch.Tensor]
 
 
-def _link(transport: str, token_dispatch: bool, group, x_TH: torch.Tensor, num_local_experts: int):
-    """A new link for one call (links keep that call's layout), as the registry chooses it (`ep.links`)."""
-    return links.build(links.choose(transport, token_dispatch, x_TH), group, x_TH, num_local_experts)
+def _link(transport: str, token_dispatch: bool, group, x_TH: torch.Tensor):
+    """The link for a call, as the registry chooses it (`ep.links`); it holds nothing of the call."""
+    return links.build(links.choose(transport, token_dispatch, x_TH), group, x_TH)
 
 
 def _token_chunks(T: int, chunks: int, device) -> torch.Tensor:
     """Each token's chunk: t * C // T (contiguous chunks of near-equal size)."""
     return torch.arange(T, device=device) * chunks // max(T, 1)
+
+
+def chunk_routing(ids_TK: torch.Tensor, world: int, num_local_experts: int,
+                  chunks: int) -> tuple[torch.Tensor, Routing]:
+    """What a link's `plan` takes for ids_TK split into C = `chunks` contiguous chunks of tokens: this rank's
+    counts send_WCE [W, C, E] (slots for rank w's local expert e in chunk c) and the `Routing`, whose send order
+    sorts the slots by (chunk, global expert id). On the device, no host sync."""
+    W, E, C, T = world, num_local_experts, chunks, ids_TK.shape[0]
+    chunk_T = _token_chunks(T, C, ids_TK.device)
+    key_S = (chunk_T.unsqueeze(1) * (W * E) + ids_TK).reshape(-1)
+    order_S = torch.argsort(key_S, stable=True)
+    send_WCE = count_ids(key_S, C * W * E).view(C, W, E).transpose(0, 1).contiguous()
+    return send_WCE, Routing(ids_TK, order_S, chunk_T, C)
 
 
 def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_local_experts: int,
@@ -74,22 +91,19 @@ def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.T
     C = chunks  # every rank must use the same C (one exchange per chunk); chunks may be empty
     if C < 1:
         raise ValueError(f"chunks must be >= 1, got {C}")
-    link = _link(transport, token_dispatch, group, x_TH, num_local_experts)
+    link = _link(transport, token_dispatch, group, x_TH)
     mark_exchange()
-    W, E = dist.get_world_size(group), num_local_experts
     T, K = ids_TK.shape
-    chunk_T = _token_chunks(T, C, ids_TK.device)
-    key_S = (chunk_T.unsqueeze(1) * (W * E) + ids_TK).reshape(-1)
-    order_S = torch.argsort(key_S, stable=True)
-    lay = link.layout(count_ids(key_S, C * W * E).view(C, W, E).transpose(0, 1).contiguous(),
-                      Routing(ids_TK, order_S, chunk_T, C))
-    send_off = lay.send_off
+    send_WCE, routing = chunk_routing(ids_TK, dist.get_world_size(group), num_local_experts, C)
+    order_S = routing.order_S
+    plan = link.plan(send_WCE, routing, x_TH)
+    send_off = plan.send_off
     token_off = [(c * T + C - 1) // C for c in range(C + 1)]  # chunk c: tokens t with t * C // T == c
     # Chunk by chunk: gather its send rows, then issue its exchange, so chunk c+1's gather overlaps chunk c's.
     source_S = order_S // K
-    send_x = link.send_buffer(x_TH)
-    recv_x = link.receive_buffer(x_TH)
-    arrivals = [link.send(c, x_TH, source_S[send_off[c]:send_off[c + 1]], send_x, recv_x) for c in range(C)]
+    send_x = link.send_buffer(plan, x_TH)
+    recv = link.receive_buffer(plan, x_TH)
+    arrivals = [link.send(plan, c, x_TH, source_S[send_off[c]:send_off[c + 1]], send_x, recv) for c in range(C)]
     inverse_S = inverse_permutation(order_S)
     back = out = None
     returns = []
@@ -102,10 +116,10 @@ def overlapped_moe(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.T
 
     for c in range(C):
         arrivals[c].wait()
-        y = run_rows(link.received(c, recv_x), lay.chunk_segments(c))
+        y = run_rows(link.received(plan, c, recv), plan.chunk_segments(c))
         if back is None:
-            back, out = link.return_buffer(y), y.new_empty(T, y.shape[1])
-        returns.append(link.send_back(c, y, back))
+            back, out = link.return_buffer(plan, y), y.new_empty(T, y.shape[1])
+        returns.append(link.send_back(plan, c, y, back))
         if c:  # enqueued after chunk c's experts, so chunk c-1's return overlaps them
             finish(c - 1)
     finish(C - 1)

@@ -24,7 +24,8 @@ def _e2m1(code):
     half = (magnitude_code & 1).to(tl.float32) * 0.5
     power = tl.where(exponent == 1, 1.0, tl.where(exponent == 2, 2.0, 4.0))
     magnitude = tl.where(exponent == 0, half, power * (1.0 + half))
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    # times -1.0 rather than negated: Triton negates as 0 - x, which would turn code 8 (-0.0) into +0.0
+    return magnitude * tl.where((code & 8) != 0, -1.0, 1.0)
 
 
 @triton.jit

@@ -13,8 +13,10 @@ import pytest
 import torch
 from transformers.distributed.expert_parallel import EPImplementationInterface
 
+import modelopt_ext
 from modelopt_ext.ep.backend import NAME, TorchA2AEP, register_torch_a2a, run_local_experts
 from modelopt_ext.testing.multiproc import free_port, run_ranks
+from modelopt_ext.testing.routing import force_routing
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "scripts" / "ep_smoke.py"
@@ -54,10 +56,65 @@ def test_run_local_experts_looks_the_class_forward_up_at_call_time():
     assert experts.seen == ((3, 2), (3, 1), (3, 1))  # top-1: ids and weights get a k dimension
 
 
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def _recording_subclass(base: type, log: dict) -> type:
+    """A subclass of `base` (as ModelOpt's convert creates) whose forward records what it received."""
+
+    class Recording(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            log.setdefault(self._recording_name, []).append({
+                "rows": int(hidden_states.shape[0]),
+                "max_id": int(top_k_index.max()) if top_k_index.numel() else -1,
+                "min_id": int(top_k_index.min()) if top_k_index.numel() else -1,
+                "num_experts": int(self.num_experts),
+            })
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{base.__name__}"
+    return Recording
+
+
+def class_forward_after_swap(rank: int, world_size: int, ckpt: str):
+    """Load with EP (torch_a2a), swap every experts module's class for a recording subclass, and run the
+    model on this rank's batch, then again with every token routed to rank 0's experts."""
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32, "experts_implementation": "batched_mm"}
+    single = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense="replicate", **kwargs)
+    ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + rank))
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits
+        ref = single(input_ids=ids, use_cache=False).logits
+    log: dict = {}
+    experts = {n: m for n, m in model.named_modules() if n.endswith("block_sparse_moe.experts")}
+    classes = {}
+    for name, module in experts.items():
+        base = type(module)
+        if base not in classes:
+            classes[base] = _recording_subclass(base, log)
+        module._recording_name = name
+        module.__class__ = classes[base]
+    with torch.no_grad():
+        after = model(input_ids=ids, use_cache=False).logits
+    swapped_log = {k: list(v) for k, v in log.items()}
+    log.clear()
+    top_k = model.config.get_text_config().num_experts_per_token
+    force_routing(single, list(range(top_k)))
+    force_routing(model, list(range(top_k)))
+    with torch.no_grad():
+        forced = model(input_ids=ids, use_cache=False).logits
+        forced_ref = single(input_ids=ids, use_cache=False).logits
+    return {"before": before, "after": after, "ref": ref, "log": swapped_log, "forced": forced,
+            "forced_ref": forced_ref, "forced_log": dict(log), "moe_layers": sorted(experts),
+            "classes": sorted(type(m).__name__ for m in experts.values()),
+            "num_local_experts": experts[sorted(experts)[0]].num_experts, "top_k": top_k,
+            "tokens": ids.numel()}
+
+
 @pytest.fixture(scope="module")
 def swapped(tiny_ckpt):
-    return run_ranks("modelopt_ext.testing.ep_bodies:class_forward_after_swap", WORLD, {"ckpt": str(tiny_ckpt)},
-                     timeout_s=300)
+    return run_ranks(class_forward_after_swap, WORLD, {"ckpt": str(tiny_ckpt)}, timeout_s=300)
 
 
 def test_swapped_experts_class_runs_on_every_rank_with_local_ids(swapped):

@@ -17,11 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.export_bodies import calibrate_and_export
-from modelopt_ext.testing.multiproc import run_ranks
+from modelopt_ext.testing.multiproc import import_file, run_ranks
+
+# the per-rank body shared by the export tests
+calibrate_and_export = import_file(Path(__file__).parents[1] / "export" / "bodies.py").calibrate_and_export
 
 PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
-BODY = "modelopt_ext.testing.export_bodies:calibrate_and_export"
 # Largest relative difference allowed between EP1's and EP2's input scales: measured 0 since the combine sums in
 # fp32 in slot order (0.95% before), so any difference is a regression of the EP arithmetic.
 INPUT_SCALE_BOUND = 0.0
@@ -59,8 +60,8 @@ def test_bf16_ep2_export_equals_one_process(source, tmp_path):
     within INPUT_SCALE_BOUND, and in fact every file identical."""
     ref, out = tmp_path / "ep1", tmp_path / "ep2"
     calibrate_and_export(0, 1, str(source), str(ref), PRODUCTION, dtype="bfloat16")
-    run_ranks(BODY, 2, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": "replicate",
-                        "dtype": "bfloat16"}, timeout_s=300)
+    run_ranks(calibrate_and_export, 2, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION,
+                                        "dense": "replicate", "dtype": "bfloat16"}, timeout_s=300)
     assert _tensors(ref)["language_model.lm_head.weight"].dtype == torch.bfloat16  # really a bf16 export
     differing, worst = _differences(ref, out)
     scales_only = [n for n in differing if not n.endswith(".input_scale")]

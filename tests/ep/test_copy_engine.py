@@ -1,13 +1,19 @@
 """ep.copy_engine: the peer offsets move every row where NCCL's all_to_all_single would (simulated ranks in one
-process; the copies themselves need CUDA peers and are checked by scripts/gpu_check_sync.py)."""
+process); the plan a call gets. The copies need CUDA: on one GPU (one rank, NCCL) here, skipped without one; across
+GPUs, scripts/gpu_check_sync.py."""
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from modelopt_ext.ep.copy_engine import CopyEngineLink, peer_plan
+from modelopt_ext.ep.copy_engine import CopyEngineLink, CopyPlan, peer_plan
+from modelopt_ext.ep.link import Layout
 from modelopt_ext.ep.overlap import overlapped_moe
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy-engine link moves CUDA tensors "
+                                "between peer-mapped buffers; this machine has no CUDA device")
 
 
 def _simulate(counts, W, C, E):
@@ -82,7 +88,82 @@ def test_plan_by_hand():
 
 def test_needs_cuda_tokens():
     with pytest.raises(ValueError, match="needs CUDA tensors.*cpu"):
-        CopyEngineLink(None, torch.zeros(2, 4))
+        CopyEngineLink(None, torch.device("cpu"))
+
+
+def test_the_call_plan_is_a_frozen_layout_with_the_peer_copies():
+    rows = [[[[2, 1]], [[0, 2]]], [[[3, 1]], [[1, 0]]]]  # test_plan_by_hand's
+    peer = peer_plan(rows, 0)
+    plan = CopyPlan(peer.send_sizes, peer.recv_sizes, None, peer.segments, peer=peer, dtype=torch.bfloat16, width=8)
+    assert isinstance(plan, Layout) and plan.chunk_segments(0) == [(0, 0, 5), (1, 5, 2)]
+    assert plan.send_off == [0, 5] and plan.recv_off == [0, 7]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.width = 16
+
+
+@pytest.fixture
+def one_gpu_group():
+    """A one-rank NCCL group on GPU 0 (torn down afterwards)."""
+    import torch.distributed as dist
+
+    from modelopt_ext.testing.multiproc import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_cuda
+def test_one_copy_engine_link_serves_calls_on_one_gpu_and_keeps_nothing(one_gpu_group, monkeypatch):
+    """Calls of several chunk counts and two dtypes through one copy-engine link object: each gives the NCCL
+    links' result bit for bit (the same combine kernel; elementwise experts, so the row order does not matter)
+    and dispatch/combine's up to the kernel's rounding; the link's attributes stay as they were."""
+    from modelopt_ext.ep import links, overlap
+    from modelopt_ext.ep.dispatch import combine, dispatch
+
+    E, K, T = 3, 2, 37
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)]).cuda()  # expert 2 unused
+    w = torch.rand(T, K, generator=g).cuda()
+    scale = torch.arange(1, E + 1, dtype=torch.float32).cuda()
+    x32 = torch.randn(T, 16, generator=g).cuda()
+    link = links.build(links.LINKS["copy_engine"], one_gpu_group, x32)
+    before = dict(vars(link))
+    make_link = overlap._link
+    monkeypatch.setattr(overlap, "_link", lambda transport, *args: link if transport == "copy_engine" else
+                        make_link(transport, *args))
+
+    def run_rows(rows, segments):
+        out = torch.empty_like(rows)
+        for e, start, n in segments:
+            out[start:start + n] = rows[start:start + n] * scale[e].to(rows.dtype)
+        return out
+
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            x = x32.to(dtype)
+            rx, rids, meta = dispatch(x, ids, E, one_gpu_group)
+            want = combine(rx * scale[rids].unsqueeze(-1).to(dtype), w, meta, one_gpu_group)
+            for chunks in (1, 2, 5):
+                got = overlapped_moe(x, ids, w, E, one_gpu_group, run_rows, chunks=chunks, transport="copy_engine")
+                for token_dispatch in (False, True):
+                    nccl = overlapped_moe(x, ids, w, E, one_gpu_group, run_rows, chunks=chunks, transport="nccl",
+                                          token_dispatch=token_dispatch)
+                    assert torch.equal(got, nccl), (dtype, chunks, token_dispatch)
+                torch.testing.assert_close(got, want)
+        send_WCE, routing = overlap.chunk_routing(ids, 1, E, 2)
+        plan = link.plan(send_WCE, routing, x32)
+        assert isinstance(plan, CopyPlan) and plan.dtype == torch.float32 and plan.width == 16
+        with pytest.raises(ValueError, match="returns rows like the tokens"):
+            link.return_buffer(plan, x32[:, :8])
+        torch.cuda.synchronize()
+    assert vars(link).keys() == before.keys() and all(vars(link)[k] is v for k, v in before.items())
 
 
 def test_unknown_transport_is_named():

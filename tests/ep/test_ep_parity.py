@@ -10,9 +10,43 @@ the layers (measured up to 1.9e-5; see docs/ep.md)."""
 import pytest
 import torch
 
+import modelopt_ext
 from modelopt_ext.testing.multiproc import run_ranks
+from modelopt_ext.testing.routing import force_routing
 
-BODY = "modelopt_ext.testing.ep_bodies:"
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def ep_logits(rank: int, world_size: int, ckpt: str, dense: str, force_experts: list[int] | None = None,
+              impl: str | None = None, warmup: bool = False):
+    """Logits of the EP model and of the same checkpoint in this one process, on a batch of this rank's own
+    (`warmup`: the EP load runs the warm-up forward on a thread meanwhile)."""
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32}
+    if impl is not None:
+        kwargs["experts_implementation"] = impl
+    single = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    warm = {"warmup_tokens": (2, 16)} if warmup else {}
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, **kwargs, **warm)
+    if force_experts is not None:
+        force_routing(single, force_experts)
+        force_routing(model, force_experts)
+    ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
+    with torch.no_grad():
+        ep = model(input_ids=ids, use_cache=False).logits
+        ref = single(input_ids=ids, use_cache=False).logits
+    experts = model.language_model.model.layers[1].block_sparse_moe.experts
+    return {"ep": ep, "ref": ref, "bytes_read": model.modelopt_ext_bytes_read,
+            "plan": model.modelopt_ext_plan.to_dict(), "local_experts": experts.num_experts,
+            "warmup_s": model.modelopt_ext_warmup_s}
+
+
+def plan_refusal(rank: int, world_size: int, ckpt: str, ep_size: int):
+    """Every rank must raise the same error for a plan that cannot work."""
+    try:
+        modelopt_ext.from_pretrained(ckpt, ep_size=ep_size, trust_remote_code=True)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _checkpoint_bytes(ckpt):
@@ -37,7 +71,7 @@ def _checkpoint_bytes(ckpt):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dense", ["replicate", "fsdp"])
 def test_ep_logits_equal_single_process(tiny_ckpt, world, dense):
-    results = run_ranks(BODY + "ep_logits", world, {"ckpt": str(tiny_ckpt), "dense": dense, "impl": "batched_mm"},
+    results = run_ranks(ep_logits, world, {"ckpt": str(tiny_ckpt), "dense": dense, "impl": "batched_mm"},
                         timeout_s=300)
     experts_total, dense_total = _checkpoint_bytes(tiny_ckpt)
     for rank, r in enumerate(results):
@@ -57,7 +91,7 @@ def test_ep_logits_equal_single_process(tiny_ckpt, world, dense):
 def test_a_warmup_during_the_ep_load_changes_nothing(tiny_ckpt):
     """The warm-up forward runs on a thread of every rank while the EP load's collectives run on the main
     thread; the logits still equal the single-process ones exactly."""
-    results = run_ranks(BODY + "ep_logits", 2, {"ckpt": str(tiny_ckpt), "dense": "replicate", "impl": "batched_mm",
+    results = run_ranks(ep_logits, 2, {"ckpt": str(tiny_ckpt), "dense": "replicate", "impl": "batched_mm",
                                                  "warmup": True}, timeout_s=300)
     for rank, r in enumerate(results):
         assert isinstance(r["warmup_s"], float), f"rank {rank}: the warm-up did not run"
@@ -67,7 +101,7 @@ def test_a_warmup_during_the_ep_load_changes_nothing(tiny_ckpt):
 @pytest.mark.parametrize("world,dense", [(2, "replicate"), (4, "fsdp")])
 def test_skewed_routing_idle_ranks_and_experts(tiny_ckpt, world, dense):
     """Every token to experts 0..3 (all on rank 0): other ranks receive nothing, rank 0's other experts too."""
-    results = run_ranks(BODY + "ep_logits", world, {"ckpt": str(tiny_ckpt), "dense": dense, "impl": "batched_mm",
+    results = run_ranks(ep_logits, world, {"ckpt": str(tiny_ckpt), "dense": dense, "impl": "batched_mm",
                                                      "force_experts": [0, 1, 2, 3]}, timeout_s=300)
     for rank, r in enumerate(results):
         assert torch.equal(r["ep"], r["ref"]), f"rank {rank}"
@@ -75,13 +109,13 @@ def test_skewed_routing_idle_ranks_and_experts(tiny_ckpt, world, dense):
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
 def test_grouped_and_eager_experts_under_ep(tiny_ckpt, impl):
-    results = run_ranks(BODY + "ep_logits", 4, {"ckpt": str(tiny_ckpt), "dense": "fsdp", "impl": impl},
+    results = run_ranks(ep_logits, 4, {"ckpt": str(tiny_ckpt), "dense": "fsdp", "impl": impl},
                         timeout_s=300)
     for rank, r in enumerate(results):
         assert (r["ep"] - r["ref"]).abs().max().item() <= 5e-5, f"rank {rank}"
 
 
 def test_bad_plan_fails_every_rank_with_the_same_message(tiny_ckpt):
-    results = run_ranks(BODY + "plan_refusal", 2, {"ckpt": str(tiny_ckpt), "ep_size": 3}, timeout_s=120)
+    results = run_ranks(plan_refusal, 2, {"ckpt": str(tiny_ckpt), "ep_size": 3}, timeout_s=120)
     assert results[0] is not None and results[0] == results[1]
     assert "RankFailure" in results[0] and "planning" in results[0] and "3" in results[0]

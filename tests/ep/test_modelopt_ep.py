@@ -5,10 +5,44 @@ experts' class and forward."""
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
+import modelopt_ext
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4
 from modelopt_ext.testing.multiproc import run_ranks
+
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def ep_modelopt_fp8(rank: int, world_size: int, ckpt: str, dense: str):
+    """ModelOpt FP8 calibration of the EP model: per-expert weight amax of this rank's experts, and a forward
+    after conversion (ModelOpt replaces the experts' class and instance forward)."""
+    import modelopt.torch.quantization as mtq
+
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, trust_remote_code=True,
+                                         dtype=torch.float32)
+    ids = torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(rank))
+
+    def loop(m):
+        with torch.no_grad():
+            m(input_ids=ids, use_cache=False)
+
+    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, loop)
+    amax = {}
+    for i, layer in enumerate(model.language_model.model.layers):
+        block = getattr(layer, "block_sparse_moe", None)
+        if block is None:
+            continue
+        experts = block.experts
+        amax[i] = {
+            "class": type(experts).__name__,
+            "gate_up": [float(q.amax) for q in experts.gate_up_proj_weight_quantizers],
+            "down": [float(q.amax) for q in experts.down_proj_weight_quantizers],
+        }
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    return {"amax": amax, "finite": bool(torch.isfinite(logits).all()), "local": experts.num_experts}
 
 
 def _expert_amax(ckpt, layer, expert, proj):
@@ -31,8 +65,7 @@ def _expert_amax(ckpt, layer, expert, proj):
     pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason="raw mtq.quantize: ModelOpt FSDP2 weight access re-wraps uint8 params; modelopt_ext calibrate() avoids it")),
 ])
 def test_fp8_calibration_under_ep_keeps_experts_apart(tiny_ckpt, dense):
-    results = run_ranks("modelopt_ext.testing.ep_bodies:ep_modelopt_fp8", 2, {"ckpt": str(tiny_ckpt), "dense": dense},
-                        timeout_s=300)
+    results = run_ranks(ep_modelopt_fp8, 2, {"ckpt": str(tiny_ckpt), "dense": dense}, timeout_s=300)
     for rank, r in enumerate(results):
         assert r["finite"]
         for layer, q in r["amax"].items():

@@ -18,8 +18,10 @@ from modelopt_ext.export import engines
 from modelopt_ext.export.engines import RULES, RuleResult, check_engines, engine_verdicts, format_results
 from modelopt_ext.export.manifest import MANIFEST_NAME, _write_manifest, file_digests
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.export_bodies import calibrate_and_export
 from modelopt_ext.testing.export_edits import INDEX, edit_quant_configs, fix_total_size, read_index, rewrite, shard_of
+from modelopt_ext.testing.multiproc import import_file
+
+calibrate_and_export = import_file(Path(__file__).with_name("bodies.py")).calibrate_and_export
 
 PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
 ENGINES = ("vllm", "sglang", "trtllm")

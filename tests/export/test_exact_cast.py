@@ -14,8 +14,10 @@ from safetensors import safe_open
 from modelopt_ext.export.exact_cast import Nvfp4, cast_pair, dequantize_nvfp4
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.export_bodies import calibrate_and_export
 from modelopt_ext.testing.export_edits import read_index, rewrite, shard_of
+from modelopt_ext.testing.multiproc import import_file
+
+calibrate_and_export = import_file(Path(__file__).with_name("bodies.py")).calibrate_and_export
 
 EXPERTS = "language_model.model.layers.{layer}.block_sparse_moe.experts"
 

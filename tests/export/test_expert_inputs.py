@@ -4,15 +4,20 @@ unquantized model; the grouped statistics path records the same; "shared" keeps 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors import safe_open
 
 import modelopt_ext
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.export_bodies import calibrate_and_export, calibration_batches
 from modelopt_ext.testing.export_edits import read_index, shard_of
+from modelopt_ext.testing.multiproc import import_file
 from modelopt_ext.testing.routing import force_routing
+
+bodies = import_file(Path(__file__).with_name("bodies.py"))
+calibrate_and_export, calibration_batches = bodies.calibrate_and_export, bodies.calibration_batches
 
 RECIPE = "kimi_k3/nvfp4_experts-fp8_attention"
 EXPERTS = "language_model.model.layers.{layer}.block_sparse_moe.experts"

@@ -13,13 +13,14 @@ import torch
 from modelopt_ext.export.manifest import MANIFEST_NAME
 from modelopt_ext.export.writer import ExportDirError, check_export_dir, exported_config
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.export_bodies import calibrate_and_export
-from modelopt_ext.testing.multiproc import run_ranks
+from modelopt_ext.testing.multiproc import import_file, run_ranks
+
+bodies = import_file(Path(__file__).with_name("bodies.py"))
+calibrate_and_export, counting_pipelined_calls = bodies.calibrate_and_export, bodies.counting_pipelined_calls
 
 PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
 FP8 = "kimi_k3/fp8_all"
 CALIBRATION_FREE = "kimi_k3/calibration_free"
-BODY = "modelopt_ext.testing.export_bodies:calibrate_and_export"
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +90,23 @@ def test_single_process_export_layout(single, source):
 ])
 def test_ep_export_is_byte_identical_to_single_process(single, source, tmp_path, recipe, world_size, dense):
     out = tmp_path / "export"
-    results = run_ranks(BODY, world_size, {"ckpt": str(source), "out": str(out), "recipe": recipe, "dense": dense},
-                        timeout_s=400)
+    results = run_ranks(calibrate_and_export, world_size,
+                        {"ckpt": str(source), "out": str(out), "recipe": recipe, "dense": dense}, timeout_s=400)
     _assert_identical(single[recipe], out)
     # every rank wrote a share: its own experts' files (and dense files round-robin)
     assert all(b > 0 for b in results[0].bytes_written)
     assert sum(results[0].bytes_written) == results[0].total_bytes
+
+
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def pipelined_calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str):
+    """`calibrate_and_export` under EP with the grouped statistics path forced on the CPU, counting the calls
+    of the overlapped pipeline's statistics-collecting row function on this rank."""
+    with counting_pipelined_calls() as counts:
+        result = calibrate_and_export(rank, world_size, ckpt, out, recipe, dense, grouped_statistics="always")
+    return {"export": result, "pipelined_calls": counts["pipelined"], "other_calls": counts["other"]}
 
 
 @pytest.mark.parametrize("world_size, dense", [(2, "replicate"), (4, "replicate"), (2, "fsdp")])
@@ -102,7 +114,7 @@ def test_pipelined_calibration_exports_identically(single, source, tmp_path, wor
     """Max calibration through the overlapped EP pipeline (`run_rows_collecting` on the received blocks, the
     GPU default, forced here on gloo ranks) exports the bytes of the one-process eager per-expert path."""
     out = tmp_path / "export"
-    results = run_ranks("modelopt_ext.testing.export_bodies:pipelined_calibrate_and_export", world_size,
+    results = run_ranks(pipelined_calibrate_and_export, world_size,
                         {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": dense}, timeout_s=400)
     _assert_identical(single[PRODUCTION], out)
     assert all(b > 0 for b in results[0]["export"].bytes_written)
@@ -115,8 +127,8 @@ def test_uncovered_experts_export_identically(source, tmp_path):
     from the layer's shared input quantizer; EP2 and one process still agree byte for byte."""
     ref, out = tmp_path / "single", tmp_path / "ep2"
     calibrate_and_export(0, 1, str(source), str(ref), PRODUCTION, force_experts=[0, 1, 2, 3])
-    run_ranks(BODY, 2, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": "replicate",
-                        "force_experts": [0, 1, 2, 3]}, timeout_s=300)
+    run_ranks(calibrate_and_export, 2, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION,
+                                        "dense": "replicate", "force_experts": [0, 1, 2, 3]}, timeout_s=300)
     _assert_identical(ref, out)
     coverage = json.loads((out / "coverage.json").read_text())
     assert all(v == list(range(4, 16)) for v in coverage["uncovered"].values())
@@ -128,8 +140,8 @@ def test_failed_rank_leaves_no_export(source, tmp_path):
     (out / "keep.txt").write_text("previous export")
     (out / "MANIFEST.sha256").write_text("")  # a finished export: --overwrite may replace it, once the new one is done
     with pytest.raises(RuntimeError) as e:
-        run_ranks(BODY, 2, {"ckpt": str(source), "out": str(out), "recipe": FP8, "dense": "replicate",
-                            "fail_on_rank": 1}, timeout_s=300)
+        run_ranks(calibrate_and_export, 2, {"ckpt": str(source), "out": str(out), "recipe": FP8,
+                                            "dense": "replicate", "fail_on_rank": 1}, timeout_s=300)
     message = str(e.value)
     assert "failed during export of layer 1" in message and "rank 1: RuntimeError: injected export failure" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging directory left
@@ -202,8 +214,8 @@ def test_ep8_fsdp_export_is_byte_identical(source, tmp_path):
     """8 gloo ranks (2 experts each), FSDP-sharded dense layers, one batch per rank."""
     ref, out = tmp_path / "single", tmp_path / "ep8"
     calibrate_and_export(0, 1, str(source), str(ref), PRODUCTION, batches=8)
-    results = run_ranks(BODY, 8, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION, "dense": "fsdp",
-                                  "batches": 8}, timeout_s=600)
+    results = run_ranks(calibrate_and_export, 8, {"ckpt": str(source), "out": str(out), "recipe": PRODUCTION,
+                                                  "dense": "fsdp", "batches": 8}, timeout_s=600)
     _assert_identical(ref, out)
     assert len(results[0].bytes_written) == 8 and all(b > 0 for b in results[0].bytes_written)
 

@@ -1,6 +1,7 @@
 """calibrate(): coverage, amax sync and the uncovered-experts policies, on 2 gloo ranks and in one process."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,14 +10,48 @@ import modelopt_ext
 from modelopt_ext.families import families
 from modelopt_ext.quant.calibrate import all_experts_routing, calibrate
 from modelopt_ext.testing.checkpoints import copy_checkpoint
-from modelopt_ext.testing.multiproc import run_ranks
+from modelopt_ext.testing.multiproc import import_file, run_ranks
+from modelopt_ext.testing.routing import force_routing
 
-BODY = "modelopt_ext.testing.ep_bodies:ep_calibrate_policy"
+# helpers of the export tests' per-rank bodies (tests/export/bodies.py)
+_export_bodies = import_file(Path(__file__).parents[1] / "export" / "bodies.py")
+calibration_batches, counting_pipelined_calls, verify_on_rank_0 = (
+    _export_bodies.calibration_batches, _export_bodies.counting_pipelined_calls, _export_bodies.verify_on_rank_0)
+
 SPEC = families()["kimi_k3"]
 
 
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def ep_calibrate_policy(rank: int, world_size: int, ckpt: str, uncovered: str, grouped_statistics: str = "cuda"):
+    """calibrate() on EP2 with routing forced to rank 0's experts 0..3, under an uncovered-experts policy;
+    `grouped_statistics="always"` takes the overlapped pipeline on the CPU (rank 1 then receives no rows)."""
+    import modelopt.torch.quantization as mtq
+
+    from modelopt_ext.families import families
+    from modelopt_ext.options import ExpertsOptions
+    from modelopt_ext.quant.calibrate import calibrate
+
+    spec = families()["kimi_k3"]
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense="replicate", trust_remote_code=True,
+                                         dtype=torch.float32, experts_implementation="batched_mm",
+                                         experts_options=ExpertsOptions(grouped_statistics=grouped_statistics))
+    force_routing(model, [0, 1, 2, 3])
+    batches = [{"input_ids": torch.randint(13, 500, (2, 12), generator=torch.Generator().manual_seed(400 + rank))}]
+    try:
+        with counting_pipelined_calls() as counts:
+            result = calibrate(model, mtq.FP8_DEFAULT_CFG, batches, router_glob=spec.router_glob, num_experts=16,
+                               uncovered=uncovered)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    experts = result.model.language_model.model.layers[1].block_sparse_moe.experts
+    return {"uncovered": result.coverage.uncovered(), "sync": result.sync, "pipelined_calls": counts["pipelined"],
+            "down_input_amax": float(experts.down_proj_input_quantizer.amax)}
+
+
 def test_weights_policy_records_uncovered_experts(tiny_ckpt):
-    results = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": "weights"}, timeout_s=300)
+    results = run_ranks(ep_calibrate_policy, 2, {"ckpt": str(tiny_ckpt), "uncovered": "weights"}, timeout_s=300)
     for r in results:
         assert "error" not in r, r
         assert len(r["uncovered"]) == 5 and all(v == list(range(4, 16)) for v in r["uncovered"].values())
@@ -29,9 +64,9 @@ def test_policies_through_the_pipeline(tiny_ckpt, uncovered):
     """Max calibration through the overlapped EP pipeline (forced on the CPU) with routing forced to rank 0's
     experts (rank 1's experts receive no rows: `weights`) or to every expert (`all-experts`): the same
     coverage and down-projection input amax as the dispatch/combine path."""
-    usual = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": uncovered}, timeout_s=300)
-    piped = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": uncovered, "grouped_statistics": "always"},
-                      timeout_s=300)
+    usual = run_ranks(ep_calibrate_policy, 2, {"ckpt": str(tiny_ckpt), "uncovered": uncovered}, timeout_s=300)
+    piped = run_ranks(ep_calibrate_policy, 2,
+                      {"ckpt": str(tiny_ckpt), "uncovered": uncovered, "grouped_statistics": "always"}, timeout_s=300)
     for u, p in zip(usual, piped):
         assert "error" not in p, p
         assert u["pipelined_calls"] == 0 and p["pipelined_calls"] == 10, p  # 5 MoE layers x 2 chunks
@@ -40,14 +75,14 @@ def test_policies_through_the_pipeline(tiny_ckpt, uncovered):
 
 
 def test_fail_policy_fails_every_rank(tiny_ckpt):
-    results = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": "fail"}, timeout_s=300)
+    results = run_ranks(ep_calibrate_policy, 2, {"ckpt": str(tiny_ckpt), "uncovered": "fail"}, timeout_s=300)
     for r in results:
         assert r["error"].startswith("UncoveredExperts: experts without calibration tokens")
         assert "layers.1.block_sparse_moe.gate: [4, 5" in r["error"]
 
 
 def test_all_experts_policy_covers_every_expert(tiny_ckpt):
-    results = run_ranks(BODY, 2, {"ckpt": str(tiny_ckpt), "uncovered": "all-experts"}, timeout_s=300)
+    results = run_ranks(ep_calibrate_policy, 2, {"ckpt": str(tiny_ckpt), "uncovered": "all-experts"}, timeout_s=300)
     for r in results:
         assert "error" not in r, r
         assert r["uncovered"] == {}
@@ -86,8 +121,44 @@ def test_parent_class_rules_are_spelt_out_per_module():
 
 # ------------------------------------------------------------------ weight searches (quant/search.py)
 
-ALGORITHM_BODY = "modelopt_ext.testing.ep_bodies:calibrate_algorithm_and_export"
 NO_LAYERWISE = {"layerwise": {"enable": False}}
+
+
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def calibrate_algorithm_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str,
+                                   algorithm: dict | str, dense: str = "replicate", batches: int = 4):
+    """Load (EP over the world when it has more than one rank), calibrate `recipe` with `algorithm` in place of
+    its own on this rank's share of `batches` fixed batches (tests/export/bodies.py's `calibration_batches`),
+    export to `out`. Returns every quantizer's amax by name (per-expert ones by global expert id) as fp32, and the sync
+    report."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from modelopt_ext.export.writer import export_checkpoint
+    from modelopt_ext.families import families
+    from modelopt_ext.quant.calibrate import calibrate
+    from modelopt_ext.quant.recipes import quant_config
+
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32}
+    if world_size > 1:
+        kwargs.update(ep_size=world_size, dense=dense)
+    model = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    cfg = dict(quant_config(recipe, model.config))
+    cfg["algorithm"] = algorithm
+    result = calibrate(model, cfg, calibration_batches(rank, world_size, batches),
+                       router_glob=families()["kimi_k3"].router_glob, num_experts=16)
+    amax = {}
+    for name, q in result.model.named_modules():
+        if isinstance(q, TensorQuantizer) and getattr(q, "_amax", None) is not None:
+            if "_weight_quantizers." in name:
+                head, _, idx = name.rpartition(".")
+                local = result.model.get_submodule(head.rpartition(".")[0]).num_experts
+                name = f"{head}.{int(idx) + rank * local}"
+            amax[name] = q._amax.detach().float().clone()
+    export_checkpoint(result.model, out, source_dir=ckpt, overwrite=True)
+    verify_on_rank_0(rank, out, ckpt)
+    return {"amax": amax, "sync": result.sync}
 
 
 @pytest.mark.parametrize("recipe, algorithm", [
@@ -101,8 +172,8 @@ def test_weight_search_under_ep2_matches_one_process(tiny_ckpt, tmp_path, recipe
     per-rank Hessians gave amax up to 0.77 apart on the stand-in."""
     src = copy_checkpoint(tiny_ckpt, tmp_path, "search_src")
     kwargs = {"ckpt": str(src), "recipe": recipe, "algorithm": {**algorithm, **NO_LAYERWISE}}
-    one = run_ranks(ALGORITHM_BODY, 1, {**kwargs, "out": str(tmp_path / "ep1")}, timeout_s=300)[0]
-    two = run_ranks(ALGORITHM_BODY, 2, {**kwargs, "out": str(tmp_path / "ep2")}, timeout_s=300)
+    one = run_ranks(calibrate_algorithm_and_export, 1, {**kwargs, "out": str(tmp_path / "ep1")}, timeout_s=300)[0]
+    two = run_ranks(calibrate_algorithm_and_export, 2, {**kwargs, "out": str(tmp_path / "ep2")}, timeout_s=300)
     assert two[0]["sync"]["search"]["method"] == algorithm["method"]
     if algorithm["method"] == "local_hessian":
         assert two[0]["sync"]["search"]["hessians_reduced"] > 0
@@ -126,7 +197,6 @@ def test_mse_weight_error_is_at_most_max(tiny_ckpt, tmp_path):
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     from modelopt_ext.quant.recipes import quant_config
-    from modelopt_ext.testing.export_bodies import calibration_batches
 
     src = copy_checkpoint(tiny_ckpt, tmp_path, "mse_src")
     errors, experts = {}, {}

@@ -75,11 +75,35 @@ def test_empty_coverage_has_no_heatmap(tmp_path):
         Coverage(16).write_png(tmp_path / "x.png")
 
 
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def ep_coverage(rank: int, world_size: int, ckpt: str):
+    """Expert coverage recorded on the EP model over each rank's batch (summed over ranks), and in one
+    process over every rank's batch."""
+    from modelopt_ext.families import families
+    from modelopt_ext.quant.coverage import record_expert_coverage
+
+    spec = families()["kimi_k3"]
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32, "experts_implementation": "batched_mm"}
+    batches = [torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(300 + r))
+               for r in range(world_size)]
+    model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense="replicate", **kwargs)
+    with torch.no_grad(), record_expert_coverage(model, spec.router_glob, 16) as ep:
+        model(input_ids=batches[rank], use_cache=False)
+    single = modelopt_ext.from_pretrained(ckpt, **kwargs)
+    # the single-process recording must not all-reduce: its counts already cover every batch
+    with torch.no_grad(), record_expert_coverage(single, spec.router_glob, 16) as ref:
+        for ids in batches:
+            single(input_ids=ids, use_cache=False)
+    return {"ep": ep.table(), "ref": {k: [v // world_size for v in row] for k, row in ref.table().items()}}
+
+
 def test_ep_coverage_is_summed_over_ranks(tiny_ckpt):
     """Each EP rank routes its own batch; after the recording every rank holds the sum, which equals one
     process routing every batch (the reference divides by the world size because its own sum-over-ranks
     runs once more with identical counts on both ranks)."""
-    results = run_ranks("modelopt_ext.testing.ep_bodies:ep_coverage", 2, {"ckpt": str(tiny_ckpt)}, timeout_s=300)
+    results = run_ranks(ep_coverage, 2, {"ckpt": str(tiny_ckpt)}, timeout_s=300)
     for r in results:
         assert r["ep"] == r["ref"]
         assert all(sum(row) == 2 * 2 * 16 * 4 for row in r["ep"].values())

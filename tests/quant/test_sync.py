@@ -5,12 +5,59 @@ import logging
 import pytest
 import torch
 
+import modelopt_ext
 from modelopt_ext.testing.multiproc import run_ranks
+from modelopt_ext.testing.routing import force_routing
+
+# ---- per-rank bodies (run on every rank by run_ranks) ----------------------------------------------------------------
+
+
+def ep_calibrate_and_sync(rank: int, world_size: int, ckpt: str, dense: str = "replicate",
+                          force_experts: list[int] | None = None):
+    """FP8 max calibration under EP with modelopt_ext's amax sync, and one process calibrated on every
+    rank's batch: the amax the two end with, by quantizer name (per-expert ones by global expert id)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    from modelopt_ext.quant.sync import calibration_algorithm, sync_amax
+
+    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    cfg["algorithm"] = calibration_algorithm("max")
+    kwargs = {"trust_remote_code": True, "dtype": torch.float32, "experts_implementation": "batched_mm"}
+    batches = [torch.randint(13, 500, (2, 16), generator=torch.Generator().manual_seed(200 + r))
+               for r in range(world_size)]
+
+    def run(model, which):
+        if force_experts is not None:
+            force_routing(model, force_experts)
+
+        def loop(m):
+            with torch.no_grad():
+                for ids in which:
+                    m(input_ids=ids, use_cache=False)
+        return mtq.quantize(model, cfg, loop)
+
+    def amax_by_name(model, local_offset):
+        out = {}
+        for name, q in model.named_modules():
+            if type(q).__name__ == "TensorQuantizer" and q.amax is not None:
+                if "_weight_quantizers." in name:
+                    head, _, idx = name.rpartition(".")
+                    name = f"{head}.{int(idx) + local_offset}"
+                out[name] = q.amax.detach().clone()
+        return out
+
+    model = run(modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dense=dense, **kwargs), [batches[rank]])
+    report = sync_amax(model)
+    local = model.language_model.model.layers[1].block_sparse_moe.experts.num_experts
+    ep = amax_by_name(model, rank * local)
+    single = run(modelopt_ext.from_pretrained(ckpt, **kwargs), batches)
+    return {"ep": ep, "ref": amax_by_name(single, 0), "report": report}
 
 
 def test_ep_amax_equals_single_process_on_all_batches(tiny_ckpt):
-    results = run_ranks("modelopt_ext.testing.ep_bodies:ep_calibrate_and_sync", 2, {"ckpt": str(tiny_ckpt)},
-                        timeout_s=300)
+    results = run_ranks(ep_calibrate_and_sync, 2, {"ckpt": str(tiny_ckpt)}, timeout_s=300)
     for rank, r in enumerate(results):
         ep, ref = r["ep"], r["ref"]
         assert r["report"]["local_experts"] > 0 and r["report"]["shared"] > 0
@@ -32,7 +79,7 @@ def test_ep_amax_equals_single_process_on_all_batches(tiny_ckpt):
 def test_ranks_whose_experts_saw_no_tokens_stay_in_step(tiny_ckpt):
     """All tokens to rank 0's experts 0..3: rank 1's expert input quantizers calibrate nothing (amax None
     there); the sync still runs in step and gives both ranks rank 0's value."""
-    results = run_ranks("modelopt_ext.testing.ep_bodies:ep_calibrate_and_sync", 2,
+    results = run_ranks(ep_calibrate_and_sync, 2,
                         {"ckpt": str(tiny_ckpt), "force_experts": [0, 1, 2, 3]}, timeout_s=300)
     inputs = [n for n in results[0]["ep"] if ".block_sparse_moe.experts." in n and "input_quantizer" in n]
     assert len(inputs) == 5 * 2

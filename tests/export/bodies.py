@@ -1,5 +1,8 @@
-"""Per-rank bodies for the export tests (run by `modelopt_ext.testing.multiproc.run_ranks`, or called directly
-with rank 0 of 1 for the single-process reference)."""
+"""Per-rank bodies shared by the export tests (tests/export/test_writer.py, test_engines.py, test_exact_cast.py,
+test_expert_inputs.py; tests/ep/test_bf16.py; tests/quant/test_calibrate.py): run by
+`modelopt_ext.testing.multiproc.run_ranks`, or called directly with rank 0 of 1 for the single-process reference.
+Not a test module (pytest collects test_*.py only); test files import it by path:
+`import_file(Path(__file__).parents[1] / "export" / "bodies.py")`."""
 
 from __future__ import annotations
 
@@ -82,14 +85,6 @@ def counting_pipelined_calls():
         yield counts
     finally:
         experts.FusedExperts.run_rows_collecting = original
-
-
-def pipelined_calibrate_and_export(rank: int, world_size: int, ckpt: str, out: str, recipe: str, dense: str):
-    """`calibrate_and_export` under EP with the grouped statistics path forced on the CPU, counting the calls
-    of the overlapped pipeline's statistics-collecting row function on this rank."""
-    with counting_pipelined_calls() as counts:
-        result = calibrate_and_export(rank, world_size, ckpt, out, recipe, dense, grouped_statistics="always")
-    return {"export": result, "pipelined_calls": counts["pipelined"], "other_calls": counts["other"]}
 
 
 def _fail_during_export(model, fail: bool) -> None:
