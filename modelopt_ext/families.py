@@ -100,12 +100,15 @@ class FamilySpec:
         name: family name used on the command line (`make-tiny NAME`).
         model_types: top-level `config.json` model_type values this family owns.
         text_model_type: model_type of the nested text config, checked when given.
-        revision: the pinned upstream revision the remote-code lock describes.
-        remote_code_lock: path of the bundled lock JSON (file name -> sha256).
+        revision: the pinned upstream revision the remote-code lock describes; None for a family whose model
+            class is transformers' own (no remote code runs).
+        remote_code_lock: path of the bundled lock JSON (file name -> sha256); None for a family without remote
+            code (nothing to check, and a lock given for it is refused).
         min_versions: distribution name -> lowest supported version.
         ep_plan: module/parameter FQN glob -> transformers EP style (data for the EP runtime).
         quantizer_exclusions: config -> quantizer name globs that must stay unquantized.
-        converters: expert storage ("mxfp4" | "dense") -> transformers weight transforms.
+        converters: expert storage ("mxfp4" | "dense" | "fp8") -> transformers weight transforms (empty where
+            transformers' own conversion mapping of the model type applies).
         prepare: `prepare(path, **from_pretrained_kwargs)` -> `modelopt_ext.loader.PreparedLoad`: every check,
             then how the generic loader patches, configures, builds, converts, warms up and checks the load;
             mutates nothing itself (the loader runs its `patch`).
@@ -126,13 +129,15 @@ class FamilySpec:
             family's code needs and lacks, or value it does not implement; run by `family_for_config`.
         serving: how the serving engines build the model (fused groups, names), if known.
         prediction: what `plan --predict` needs (bundled measurement, layer kinds, export bytes), if known.
+        ptq_refused: why `modelopt-ext ptq` cannot run this family yet (refused in validate, before anything is
+            loaded), or None where it runs.
     """
 
     name: str
     model_types: tuple[str, ...]
     text_model_type: str | None
-    revision: str
-    remote_code_lock: Path
+    revision: str | None
+    remote_code_lock: Path | None
     min_versions: Mapping[str, str]
     ep_plan: Mapping[str, str]
     quantizer_exclusions: Callable[[Any], tuple[str, ...]]
@@ -148,6 +153,7 @@ class FamilySpec:
     check_config: Callable[[Mapping[str, Any], str], None] | None = None
     serving: ServingSpec | None = None
     prediction: PredictionSpec | None = None
+    ptq_refused: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))

@@ -11,9 +11,10 @@ Steps, the same for every family:
    when it fits beside the plan's memory, the `DistributedConfig` for the plan (expert-parallel plan selected
    on a meta-device build of the model, dense modules replicated or left to FSDP), then `from_pretrained` in
    the family's construction and conversion scopes, counting the checkpoint bytes read.
-3. After: the warm-up waited for, the loading info checked strictly (no missing, unexpected or mismatched key),
-   the EP forwards captured and replicated parameters made local, the family's check of the loaded model, and
-   the source's quantization config put back on the model's config.
+3. After: the warm-up waited for, the loading info checked strictly (no missing, unexpected or mismatched key
+   but the unexpected ones the family declares it leaves unread), the EP forwards captured and replicated
+   parameters made local, the family's check of the loaded model, the class registered for the Auto class where
+   it is the checkpoint's remote code, and the source's quantization config put back on the model's config.
 
 Returns a `LoadResult` (the model, bytes read by group, the warm-up's seconds).
 """
@@ -24,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -76,6 +78,15 @@ class PreparedLoad:
         description: how the load is described in its log line (e.g. "mxfp4 experts").
         family_options: the keyword arguments that were the family's (`prepare` took them), not passed on to
             `from_pretrained`.
+        load_kwargs: `from_pretrained` keyword arguments the family sets itself (e.g. a quantization config that
+            dequantizes, `use_kernels=False`), over the caller's; `prepare` refuses a caller's argument it sets.
+        ignored_unexpected: regular expressions (`re.match`, from the key's start) of checkpoint keys the model
+            knowingly does not load (e.g. multi-token-prediction layers it does not build): not refused as unexpected.
+        remote_code: the model class is the checkpoint's remote code; it is then registered for
+            AutoModelForCausalLM after the load, so that `save_pretrained` copies its files and writes `auto_map`
+            (for a class native to transformers that would change transformers' class for every model).
+        refused_dense: dense placement of a distribution plan ("replicate" | "fsdp") -> why this load cannot take
+            it; such a plan is refused before anything is read.
     """
 
     path: Path
@@ -91,6 +102,10 @@ class PreparedLoad:
     quantization_config: dict | None = None
     description: str = ""
     family_options: tuple[str, ...] = ()
+    load_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    ignored_unexpected: tuple[str, ...] = ()
+    remote_code: bool = True
+    refused_dense: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +139,9 @@ def load(prepare: Callable[..., PreparedLoad], path: str | Path, *, distribution
     """
     check_warmup_tokens(warmup_tokens)
     prepared = prepare(path, **kwargs)
+    if distribution_plan is not None and distribution_plan.dense in prepared.refused_dense:
+        raise CheckpointError(f"{prepared.path} cannot be loaded with the dense layers {distribution_plan.dense!r} "
+                              f"({prepared.description}): {prepared.refused_dense[distribution_plan.dense]}")
     kwargs = {k: v for k, v in kwargs.items() if k not in prepared.family_options}
     gpu = on_gpu(kwargs)
     with _LOAD_LOCK:
@@ -142,10 +160,10 @@ def load(prepare: Callable[..., PreparedLoad], path: str | Path, *, distribution
             count_checkpoint_reads([f"{glob}.*" for glob in prepared.counted_reads]) as reads,
         ):
             model, info = prepared.model_class.from_pretrained(
-                str(prepared.path), config=config, output_loading_info=True, **kwargs
+                str(prepared.path), config=config, output_loading_info=True, **{**kwargs, **prepared.load_kwargs}
             )
     warmup_s = warm.wait(warmup_timeout_s) if warm is not None else None
-    _strict_loading_info(info, prepared.path)
+    _strict_loading_info(info, prepared.path, prepared.ignored_unexpected)
     if distribution_plan is not None:
         capture_ep_forwards(model)
         if distribution_plan.dense == "replicate":
@@ -154,16 +172,19 @@ def load(prepare: Callable[..., PreparedLoad], path: str | Path, *, distribution
                 ", ".join(f"{k} {v:,}" for k, v in sorted(reads.by_group.items())))
     if prepared.check_loaded is not None:
         prepared.check_loaded(model)
-    # As the Auto classes do: save_pretrained then copies the (unmodified) remote-code files.
-    prepared.model_class.register_for_auto_class("AutoModelForCausalLM")
+    if prepared.remote_code:
+        # As the Auto classes do: save_pretrained then copies the (unmodified) remote-code files.
+        prepared.model_class.register_for_auto_class("AutoModelForCausalLM")
     if prepared.quantization_config is not None:
         model.config.quantization_config = prepared.quantization_config
     logger.info("loaded %s (%s) from %s", type(model).__name__, prepared.description, prepared.path)
     return LoadResult(model.eval(), dict(reads.by_group), warmup_s)
 
 
-def _strict_loading_info(info: dict[str, Any], path: Path) -> None:
+def _strict_loading_info(info: dict[str, Any], path: Path, ignored_unexpected: tuple[str, ...] = ()) -> None:
     problems = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems["unexpected_keys"] = [k for k in problems["unexpected_keys"]
+                                   if not any(re.match(p, k) for p in ignored_unexpected)]
     problems = {k: v for k, v in problems.items() if v}
     if problems or info.get("error_msgs"):
         raise CheckpointError(f"loading {path} left keys unmapped: {problems} {info.get('error_msgs') or ''}")

@@ -6,11 +6,14 @@ by comparing `DistributionPlan.to_dict()`.
 
 Memory per rank (bytes; W world size, ep EP degree, T tokens per rank):
 - read from disk: stored experts / ep (each rank reads only its own experts) + dense bytes (replicated)
-  or dense bytes / W (FSDP: each rank reads its shard).
-- resident experts: all experts at the chosen storage / ep. With FSDP and ep < W, transformers also shards
-  each rank's experts over the W / ep ranks holding the same experts and gathers one MoE layer at a time:
-  experts / W + one layer's local experts.
-- resident dense: all of it (replicated), or dense / W + the largest FSDP unit gathered (FSDP).
+  or dense bytes / W (FSDP: each rank reads its shard), as the checkpoint stores them.
+- resident experts: all experts at the storage they are held in after loading / ep: MXFP4 experts stay packed,
+  FP8 (128x128-block) experts are dequantized to bf16 ("dense"), bf16 ones stay bf16. With FSDP and ep < W,
+  transformers also shards each rank's experts over the W / ep ranks holding the same experts and gathers one MoE
+  layer at a time: experts / W + one layer's local experts.
+- resident dense: all of it (replicated), or dense / W + the largest FSDP unit gathered (FSDP), as held after
+  loading: the family's `loaded_dense_bytes` / `loaded_largest_dense_unit_bytes` where it gives them (an FP8
+  checkpoint's dense Linears are dequantized too), else the stored bytes.
 - activations per calibration batch, an estimate (attention workspaces are not counted):
   hidden states T x H x 2 B x live_hidden_states (tensors kept alive across a layer), plus the larger of
   a MoE layer's peak -- dispatch send + receive buffers 2 x T x top_k x latent x 2 B and the expert
@@ -29,13 +32,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from modelopt_ext.families import FamilySpec, families, family_for_config, read_config, stored_expert_storage
+from modelopt_ext.families import (
+    FamilySpec,
+    families,
+    family_for_config,
+    read_config,
+    source_quantization_config,
+    stored_expert_storage,
+)
 from modelopt_ext.options import DEFAULT, ExpertsOptions
 
 logger = logging.getLogger(__name__)
 
 DENSE_MODES = ("replicate", "fsdp")
-EXPERT_STORAGES = ("mxfp4", "dense")
+EXPERT_STORAGES = ("mxfp4", "dense")  # how experts are held in memory
+# how a checkpoint stores its experts: MXFP4 packed, FP8 E4M3 with a float32 scale per 128x128 block (1 B a weight
+# + 4 B a block: the family's `expert_bytes`), or 16-bit
+STORED_EXPERT_STORAGES = ("mxfp4", "fp8", "dense")
+# stored -> held after loading by default: FP8 experts are dequantized by the load (bf16)
+LOADED_EXPERT_STORAGE = {"mxfp4": "mxfp4", "fp8": "dense", "dense": "dense"}
 EP_IMPLEMENTATION = "torch_a2a"
 USABLE_FRACTION = 0.9
 BF16, FP32 = 2, 4
@@ -45,6 +60,9 @@ REQUIRED_SIZES = (
     "top_k", "vocab_size", "expert_params", "expert_bytes", "dense_params", "dense_bytes",
     "largest_dense_unit_bytes", "live_hidden_states",
 )
+# Figures a family may add: the dense modules' bytes as held after loading where they differ from the stored ones
+# (default: `dense_bytes`, `largest_dense_unit_bytes`).
+OPTIONAL_SIZES = ("loaded_dense_bytes", "loaded_largest_dense_unit_bytes")
 GIB, GB = 2**30, 10**9
 
 
@@ -58,6 +76,14 @@ def unsupported_replicas_message(what: str, ep_size: int, world_size: int) -> st
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def checkpoint_expert_storage(config: Mapping[str, Any]) -> str:
+    """How the checkpoint stores its experts (`STORED_EXPERT_STORAGES`): "fp8" for a `quant_method: fp8`
+    quantization_config (E4M3 weights, float32 scales per 128x128 block), else `families.stored_expert_storage`
+    ("mxfp4" | "dense")."""
+    quant = source_quantization_config(config) or {}
+    return "fp8" if quant.get("quant_method") == "fp8" else stored_expert_storage(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +116,13 @@ def estimate_memory(
         experts = _ceil_div(experts_total, world_size) + _ceil_div(experts_total, ep_size * sizes["num_moe_layers"])
     else:
         experts = _ceil_div(experts_total, ep_size)
-    dense_shard = _ceil_div(sizes["dense_bytes"], world_size)
+    loaded_dense = sizes.get("loaded_dense_bytes", sizes["dense_bytes"])
+    loaded_unit = sizes.get("loaded_largest_dense_unit_bytes", sizes["largest_dense_unit_bytes"])
     if dense == "replicate":
-        dense_resident, dense_read = sizes["dense_bytes"], sizes["dense_bytes"]
+        dense_resident, dense_read = loaded_dense, sizes["dense_bytes"]
     else:
-        dense_resident, dense_read = dense_shard + sizes["largest_dense_unit_bytes"], dense_shard
+        dense_resident = _ceil_div(loaded_dense, world_size) + loaded_unit
+        dense_read = _ceil_div(sizes["dense_bytes"], world_size)
     T, k = tokens_per_rank, sizes["top_k"]
     hidden = T * sizes["hidden_size"] * BF16 * sizes["live_hidden_states"]
     moe_peak = 2 * T * k * sizes["latent_size"] * BF16 + T * k * 2 * sizes["expert_intermediate_size"] * BF16
@@ -118,7 +146,7 @@ class DistributionPlan:
     dense: str  # "replicate" | "fsdp"
     num_experts: int
     experts_per_rank: int
-    expert_storage: str  # "mxfp4" | "dense", as held in memory
+    expert_storage: str  # "mxfp4" | "dense", as held in memory (an FP8 checkpoint's experts: "dense")
     estimate: MemoryEstimate
     device_memory_bytes: int
     tokens_per_rank: int
@@ -199,10 +227,11 @@ def read_model_config(model: str | Path) -> tuple[dict[str, Any], str]:
     path = Path(model)
     if path.exists():
         return read_config(path), str(path / "config.json")
+    # by family in registration order, each family's in its own order
     bundled = {name: file for spec in families().values() for name, file in spec.bundled_configs.items()}
     if str(model) not in bundled:
         raise FileNotFoundError(
-            f"{model} is neither a checkpoint folder nor a bundled config (bundled: {', '.join(sorted(bundled))})"
+            f"{model} is neither a checkpoint folder nor a bundled config (bundled: {', '.join(bundled)})"
         )
     return json.loads(Path(bundled[str(model)]).read_text()), f"bundled config {model}"
 
@@ -250,7 +279,8 @@ def resolve_distribution_plan(
         dense: "replicate" | "fsdp"; None picks replicate when it fits (and ep_size == world_size), else fsdp.
         device_memory_bytes: memory of one device (default: CUDA device 0, else physical RAM).
         tokens_per_rank: tokens of one calibration batch per rank (for the activation estimate).
-        expert_storage: "mxfp4" | "dense" in memory; default as the checkpoint stores them.
+        expert_storage: "mxfp4" | "dense" in memory; default as the load holds the checkpoint's experts
+            (`LOADED_EXPERT_STORAGE`: MXFP4 kept packed, FP8 dequantized).
         experts_options: how the experts and their exchange run (`modelopt_ext.options`), carried by the plan
             so that the ranks agree on them with it.
     Raises:
@@ -277,10 +307,11 @@ def resolve_distribution_plan(
     num_experts = sizes["num_experts"]
     if num_experts % ep:
         raise ValueError(f"num_experts ({num_experts}) is not divisible by the EP degree ({ep})")
-    stored = stored_expert_storage(config)
-    storage = stored if expert_storage is None else expert_storage
+    stored = checkpoint_expert_storage(config)
+    storage = LOADED_EXPERT_STORAGE[stored] if expert_storage is None else expert_storage
     if storage not in EXPERT_STORAGES:
-        raise ValueError(f"expert_storage {storage!r} is not one of {', '.join(EXPERT_STORAGES)}")
+        hint = " (FP8 experts are dequantized when loaded: 'dense')" if storage == "fp8" else ""
+        raise ValueError(f"expert_storage {storage!r} is not one of {', '.join(EXPERT_STORAGES)}{hint}")
     memory = default_device_memory() if device_memory_bytes is None else device_memory_bytes
     if memory <= 0:
         raise ValueError(f"device memory ({memory} bytes) must be positive")

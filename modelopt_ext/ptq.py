@@ -218,11 +218,20 @@ def validate(config: PtqConfig, *, rank: int = 0, world_size: int = 1, ep_size: 
     model_config = check_checkpoint_files(c.model).config
     family = family_for_config(model_config, source=str(Path(c.model) / "config.json"))
     checkpoint = Checkpoint(Path(c.model), model_config, family)
+    if family.ptq_refused is not None:
+        raise ValueError(f"family {family.name!r} ({checkpoint.path}) cannot be quantized by ptq yet: "
+                         f"{family.ptq_refused}")
     if family.router_glob is None or family.sizes is None:
         raise ValueError(f"family {family.name!r} has no router glob or sizes: expert coverage cannot be recorded")
     # the remote code runs at load: refuse code that differs from the family's lock now, naming the files
-    lock = Path(c.remote_code_lock) if c.remote_code_lock else Path(family.remote_code_lock)
-    check_remote_code(checkpoint.path, load_lock(lock))
+    if family.remote_code_lock is None:  # transformers' own classes: no remote code runs, nothing to lock
+        if c.remote_code_lock:
+            raise ValueError(f"--remote-code-lock {c.remote_code_lock}: family {family.name!r} loads with "
+                             "transformers' own classes and runs no remote code; there is no lock to check")
+        lock = None
+    else:
+        lock = Path(c.remote_code_lock) if c.remote_code_lock else Path(family.remote_code_lock)
+        check_remote_code(checkpoint.path, load_lock(lock))
     num_experts = int(family.sizes(model_config)["num_experts"])
     plan = None
     if ep_size is not None:

@@ -159,3 +159,19 @@ def test_spec_is_frozen_with_readonly_mappings():
         spec.ep_plan["new"] = "x"
     with pytest.raises(TypeError):
         spec.min_versions["torch"] = "1.0"
+
+
+def test_a_family_without_remote_code_has_no_revision_or_lock(registry):
+    spec = register_family(dataclasses.replace(_spec(name="native"), revision=None, remote_code_lock=None))
+    assert family_for_config({"model_type": "fake_type"}) is spec
+    assert spec.revision is None and spec.remote_code_lock is None
+
+
+def test_deepseek_v3_is_registered_without_remote_code():
+    from modelopt_ext.models.deepseek_v3.sizes import BUNDLED_CONFIG, KIMI_K2_CONFIG
+
+    spec = families()["deepseek_v3"]
+    for config in (BUNDLED_CONFIG, KIMI_K2_CONFIG):
+        assert family_for_config(json.loads(config.read_text())) is spec
+    assert spec.revision is None and spec.remote_code_lock is None
+    assert fam.experts_module_glob(spec) == "model.layers.*.mlp.experts"

@@ -98,3 +98,56 @@ def test_bad_warmup_tokens_are_refused_before_the_family_is_asked(llama, tokens)
 
     with pytest.raises(loader.CheckpointError, match="must be two positive sizes"):
         loader.load(prepare, llama, warmup_tokens=tokens)
+
+
+# ----------------------------------------------------------------------------------------------------
+# what a family without remote code declares (DeepSeek-V3 uses these)
+
+
+def test_a_native_class_is_not_registered_for_an_auto_class(llama):
+    """Only remote code is registered for AutoModelForCausalLM (so that save_pretrained copies its files); on a
+    class of transformers' own the registration would change it for every model of the class."""
+
+    class Native(LlamaForCausalLM):
+        pass
+
+    class Remote(LlamaForCausalLM):
+        pass
+
+    loader.load(_hooks(llama, [], model_class=Native, remote_code=False), llama, dtype=torch.float32)
+    loader.load(_hooks(llama, [], model_class=Remote), llama, dtype=torch.float32)
+    assert "_auto_class" not in Native.__dict__
+    assert Remote.__dict__["_auto_class"] == "AutoModelForCausalLM"
+
+
+def test_declared_unexpected_keys_are_ignored_and_no_others(llama):
+    """A checkpoint layer the model does not build (here: layer 1 of a one-layer model) is refused unless the
+    family declares it; a declaration matches from the key's start."""
+
+    def one_layer():
+        return LlamaConfig.from_pretrained(llama, num_hidden_layers=1)
+
+    with pytest.raises(loader.CheckpointError, match=r"'unexpected_keys': \['model.layers.1.input_layernorm.weight'"):
+        loader.load(_hooks(llama, [], make_config=one_layer), llama, dtype=torch.float32)
+    with pytest.raises(loader.CheckpointError, match="unexpected_keys"):
+        loader.load(_hooks(llama, [], make_config=one_layer, ignored_unexpected=(r"layers\.1\.",)), llama,
+                    dtype=torch.float32)
+    result = loader.load(_hooks(llama, [], make_config=one_layer, ignored_unexpected=(r"model\.layers\.1\.",)), llama,
+                         dtype=torch.float32)
+    assert len(result.model.model.layers) == 1
+
+
+def test_the_family_load_kwargs_win_over_the_callers(llama):
+    result = loader.load(_hooks(llama, [], load_kwargs={"dtype": torch.float64}), llama, dtype=torch.float32)
+    assert result.model.model.embed_tokens.weight.dtype == torch.float64
+
+
+def test_a_dense_placement_the_family_refuses_fails_before_anything_is_read(llama):
+    import types
+
+    calls = []
+    plan = types.SimpleNamespace(dense="fsdp")
+    with pytest.raises(loader.CheckpointError, match=r"dense layers 'fsdp' \(a test family\): scales would be cut"):
+        loader.load(_hooks(llama, calls, refused_dense={"fsdp": "scales would be cut"}), llama,
+                    distribution_plan=plan, dtype=torch.float32)
+    assert calls == [("prepare", ["dtype"])]

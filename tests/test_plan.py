@@ -277,3 +277,37 @@ def test_kimi_k3_replicated_with_more_memory_and_refused_at_ep8(kimi):
 def test_plan_module_names_no_family():
     source = Path(P.__file__).read_text().lower()
     assert "kimi" not in source
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 (128x128-block) checkpoints: read as stored, held dequantized
+
+
+FP8_CONFIG = {"model_type": "fake", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                             "weight_block_size": [128, 128]}}
+
+
+def test_fp8_experts_are_held_dequantized_and_read_as_stored():
+    assert P.checkpoint_expert_storage(FP8_CONFIG) == "fp8"
+    assert P.checkpoint_expert_storage(MXFP4_CONFIG) == "mxfp4"
+    assert P.checkpoint_expert_storage({"model_type": "fake"}) == "dense"
+    plan = _plan(world=4, config=FP8_CONFIG, memory=GIB)
+    assert plan.expert_storage == "dense"
+    assert plan.estimate.expert_bytes == 2 * SIZES["expert_params"] // 4  # bf16 after loading
+    assert plan.estimate.read_bytes == SIZES["expert_bytes"] // 4 + SIZES["dense_bytes"]  # FP8 + scales as stored
+    assert plan.expert_total_bytes == SIZES["expert_bytes"]
+    with pytest.raises(ValueError, match="expert_storage 'fp8' is not one of mxfp4, dense .*dequantized"):
+        _plan(config=FP8_CONFIG, expert_storage="fp8")
+    with pytest.raises(ValueError, match="needs an MXFP4 checkpoint; this one stores experts fp8"):
+        _plan(config=FP8_CONFIG, expert_storage="mxfp4")
+
+
+def test_loaded_dense_sizes_replace_the_stored_ones_in_the_resident_estimate():
+    loaded = {**SIZES, "loaded_dense_bytes": 3_500_000, "loaded_largest_dense_unit_bytes": 170_000}
+    rep = _plan(world=4, config=FP8_CONFIG, sizes=loaded, dense="replicate").estimate
+    fsdp = _plan(world=4, config=FP8_CONFIG, sizes=loaded, dense="fsdp").estimate
+    assert rep.dense_bytes == 3_500_000 and rep.read_bytes == SIZES["expert_bytes"] // 4 + SIZES["dense_bytes"]
+    assert fsdp.dense_bytes == 3_500_000 // 4 + 170_000
+    assert fsdp.read_bytes == (SIZES["expert_bytes"] + SIZES["dense_bytes"]) // 4
+    # without them (every MXFP4 or bf16 family today) the stored bytes are the resident ones, as before
+    assert _plan(world=4, dense="fsdp").estimate.dense_bytes == SIZES["dense_bytes"] // 4 + 100_000

@@ -1,0 +1,113 @@
+"""DeepSeek-V3's 128x128-block FP8 format (modelopt_ext.models.deepseek_v3.fp8), and the partial-block bug of
+transformers 5.25's CPU dequantization that `exact_block_dequantize` fixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+from transformers.utils.quantization_config import FineGrainedFP8Config
+
+from modelopt_ext.models.deepseek_v3 import fp8
+
+
+def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def _op() -> Fp8Dequantize:
+    class Quantizer:  # what Fp8Dequantize reads of transformers' FP8 quantizer
+        quantization_config = FineGrainedFP8Config(weight_block_size=[128, 128], dequantize=True)
+
+    return Fp8Dequantize(Quantizer())
+
+
+@pytest.mark.parametrize("shape, scales", [((576, 7168), (5, 56)), ((192, 256), (2, 2)), ((256, 128), (2, 1)),
+                                           ((7168, 16384), (56, 128)), ((5, 3), (1, 1))])
+def test_scale_shape_is_the_ceil_divided_block_grid(shape, scales):
+    assert fp8.scale_shape(*shape) == scales
+
+
+def test_quantize_blocks_scales_each_block_by_its_amax():
+    w = _weight(192, 256)
+    w[:128, 128:] = 0  # an all-zero block gets scale 1
+    q, s = fp8.quantize_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (192, 256)
+    assert s.dtype == torch.float32 and s.shape == (2, 2)
+    assert s[0, 1] == 1
+    for r, c in [(0, 0), (1, 0), (1, 1)]:  # the partial row block (64 rows) is scaled by its own 64 x 128 amax
+        block = w[128 * r:128 * (r + 1), 128 * c:128 * (c + 1)]
+        assert s[r, c] == block.abs().max() / 448
+        assert q[128 * r:128 * (r + 1), 128 * c:128 * (c + 1)].float().abs().max() == 448
+
+
+def test_dequantize_blocks_is_the_weight_within_e4m3_rounding():
+    w = _weight(192, 256, seed=1)
+    q, s = fp8.quantize_blocks(w)
+    dq = fp8.dequantize_blocks(q, s)
+    assert dq.dtype == torch.float32 and dq.shape == w.shape
+    # E4M3: 3 mantissa bits (half an ulp: 2^-4 relative), subnormal spacing 2^-9 below 2^-6 (times the scale)
+    bound = w.abs() * 2**-4 + fp8.expand_scales(s, w.shape) * 2**-10
+    assert ((dq - w).abs() <= bound).all()
+    assert torch.equal(fp8.dequantize_blocks(q, s, torch.bfloat16), dq.to(torch.bfloat16))
+
+
+def test_expand_scales_refuses_a_grid_that_does_not_cover_the_weight():
+    with pytest.raises(ValueError, match=r"do not cover a weight \(192, 256\).*expected \(2, 2\)"):
+        fp8.expand_scales(torch.ones(3, 2), (192, 256))
+
+
+def test_transformers_alone_cannot_dequantize_the_real_kv_a_proj():
+    """DeepSeek-V3 / Kimi-K2 `kv_a_proj_with_mqa`: [576, 7168] with [5, 56] scales (576 = 4 x 128 + 64)."""
+    q = torch.zeros(576, 7168, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="not divisible by scale grid"):
+        _op()._dequantize_one(q, torch.ones(5, 56))
+    with fp8.exact_block_dequantize():
+        out = _op()._dequantize_one(q, torch.ones(5, 56), output_dtype=torch.bfloat16)
+    assert out.shape == (576, 7168) and out.dtype == torch.bfloat16
+
+
+def test_transformers_alone_misreads_an_evenly_dividing_partial_block():
+    """[192, 256] with [2, 2] scales: transformers reads two 96-row blocks, so rows 96..127 get the second
+    block's scale. If this starts failing, transformers has fixed it and `exact_block_dequantize` can go."""
+    q = torch.ones(192, 256).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    plain = _op()._dequantize_one(q, scales, output_dtype=torch.float32)
+    assert plain[96:128, 0].unique().tolist() == [3.0]
+    with fp8.exact_block_dequantize():
+        exact = _op()._dequantize_one(q, scales, output_dtype=torch.float32)
+    assert exact[:128, 0].unique().tolist() == [1.0] and exact[128:, 0].unique().tolist() == [3.0]
+    assert exact[:128, 128:].unique().tolist() == [2.0] and exact[128:, 128:].unique().tolist() == [4.0]
+
+
+def test_the_scope_matches_transformers_bit_for_bit_on_whole_blocks():
+    q, s = fp8.quantize_blocks(_weight(256, 384, seed=2))
+    plain = _op()._dequantize_one(q, s, output_dtype=torch.bfloat16)
+    default_dtype = _op()._dequantize_one(q, s)
+    with fp8.exact_block_dequantize():
+        assert torch.equal(_op()._dequantize_one(q, s, output_dtype=torch.bfloat16), plain)
+        assert torch.equal(_op()._dequantize_one(q, s), default_dtype)
+    assert torch.equal(plain, fp8.dequantize_blocks(q, s, torch.bfloat16))
+
+
+def test_the_scope_leaves_other_formats_to_transformers():
+    """A [1, 32]-block grid (MXFP4-style scales) is not a 128x128 grid of the weight: transformers' code runs."""
+    q = torch.ones(4, 64).to(torch.float8_e4m3fn)
+    scales = torch.full((4, 2), 2.0)
+    with fp8.exact_block_dequantize():
+        out = _op()._dequantize_one(q, scales, output_dtype=torch.float32)
+    assert out.unique().tolist() == [2.0]
+
+
+def test_the_scope_nests_and_restores_transformers_function():
+    original = Fp8Dequantize._dequantize_one
+    with fp8.exact_block_dequantize():
+        patched = Fp8Dequantize._dequantize_one
+        assert patched is not original
+        with fp8.exact_block_dequantize():
+            assert Fp8Dequantize._dequantize_one is patched
+        assert Fp8Dequantize._dequantize_one is patched
+    assert Fp8Dequantize._dequantize_one is original
+    with pytest.raises(RuntimeError), fp8.exact_block_dequantize():
+        raise RuntimeError("boom")
+    assert Fp8Dequantize._dequantize_one is original
