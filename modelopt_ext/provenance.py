@@ -37,7 +37,7 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=lambda v: getattr(v, "value", str(v))))
 
 
-def build(*, recipe_name: str, recipe: Mapping[str, Any], overrides, source: Path, family, lock: Path,
+def build(*, recipe_name: str, recipe: Mapping[str, Any], overrides, source: Path, family, lock: Path | None,
           calibration: Mapping[str, Any], distribution: Mapping[str, Any]) -> dict[str, Any]:
     from modelopt_ext.lock import sha256_file
 
@@ -48,7 +48,8 @@ def build(*, recipe_name: str, recipe: Mapping[str, Any], overrides, source: Pat
                    "resolved_yaml": yaml.safe_dump(data, sort_keys=False)},
         "versions": versions(),
         "source": {"path": str(Path(source).absolute()), "family": family.name, "revision": family.revision,
-                   "remote_code_lock": str(lock), "remote_code_lock_sha256": sha256_file(lock)},
+                   "remote_code_lock": None if lock is None else str(lock),
+                   "remote_code_lock_sha256": None if lock is None else sha256_file(lock)},
         "calibration": dict(calibration),
         "distribution": dict(distribution),
     }

@@ -92,7 +92,7 @@ class RunContext:
     tokenizer: Any
     texts: list[str]
     export_dir: Path  # resolved (symlinks followed)
-    lock: Path  # the remote-code lock the code was checked against
+    lock: Path | None  # the remote-code lock the code was checked against (None: the family runs none)
 
     @property
     def family(self):

@@ -82,3 +82,12 @@ def test_write_puts_indented_json_in_the_export(tmp_path):
     text = (tmp_path / "modelopt_ext_provenance.json").read_text()
     assert text == json.dumps(data, indent=2) + "\n"
     assert provenance.PROVENANCE_NAME == "modelopt_ext_provenance.json"
+
+
+def test_a_family_without_remote_code_records_no_lock(tmp_path):
+    """A family whose classes are transformers' own (no remote code, no lock) is recorded with none."""
+    family = types.SimpleNamespace(name="native", revision=None)
+    record = provenance.build(recipe_name="r", recipe={"quantize": {}}, overrides=(), source=tmp_path, family=family,
+                              lock=None, calibration={}, distribution={})
+    assert record["source"]["remote_code_lock"] is None and record["source"]["remote_code_lock_sha256"] is None
+    assert record["source"]["revision"] is None and record["source"]["family"] == "native"

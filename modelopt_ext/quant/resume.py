@@ -66,7 +66,8 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def expected_header(run, *, recipe, lock: Path, rank: int, world_size: int, ep_size: int | None) -> dict[str, Any]:
+def expected_header(run, *, recipe, lock: Path | None, rank: int, world_size: int,
+                    ep_size: int | None) -> dict[str, Any]:
     """What a state saved by this run holds besides its tensors (and what a resumed run must find); `run` is the
     run's `modelopt_ext.run_config.PtqConfig`, whose `hashed()` options must match."""
     from modelopt_ext.fingerprint import input_fingerprint
@@ -76,12 +77,13 @@ def expected_header(run, *, recipe, lock: Path, rank: int, world_size: int, ep_s
     prefix = f"--model {Path(run.model)}/"
     checkpoint = {name.removeprefix(prefix): value for name, value in input_fingerprint(run.model, {}).items()}
     resolved = json.loads(json.dumps(dict(recipe), default=lambda v: getattr(v, "value", str(v))))
-    inputs = {"the remote-code lock": sha256_file(lock), "--recipe file": sha256_file(recipe.path),
+    inputs = {"the remote-code lock": None if lock is None else sha256_file(lock),
+              "--recipe file": sha256_file(recipe.path),
               "the resolved recipe": _digest(resolved),
               "--dataset": sha256_file(Path(run.dataset)) if run.dataset else None}
     return {"kind": KIND, "format": FORMAT, "rank": rank, "world_size": world_size, "ep_size": ep_size,
             "config": config, "config_sha256": _digest(config), "checkpoint": checkpoint,
-            "checkpoint_sha256": _digest(checkpoint), "remote_code_lock": {"path": str(lock), "sha256": inputs[
+            "checkpoint_sha256": _digest(checkpoint), "remote_code_lock": {"path": lock and str(lock), "sha256": inputs[
                 "the remote-code lock"]}, "inputs": inputs, "versions": versions()}
 
 
