@@ -131,6 +131,8 @@ class FamilySpec:
         prediction: what `plan --predict` needs (bundled measurement, layer kinds, export bytes), if known.
         ptq_refused: why `modelopt-ext ptq` cannot run this family yet (refused in validate, before anything is
             loaded), or None where it runs.
+        router_ids: `router_ids(router_output)` -> the top-k global expert ids [T, K] in the output of a router
+            `router_glob` names (expert coverage, `quant.coverage`); default: its first item, (ids, weights).
     """
 
     name: str
@@ -154,6 +156,7 @@ class FamilySpec:
     serving: ServingSpec | None = None
     prediction: PredictionSpec | None = None
     ptq_refused: str | None = None
+    router_ids: Callable[[Any], Any] = dataclasses.field(default=lambda output: output[0])
 
     def __post_init__(self):
         object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))

@@ -619,8 +619,9 @@ class _Run:
                 recipes.check_patterns_match(cfg, model)
             bar(done)
 
-        options = {"router_glob": inputs.family.router_glob, "num_experts": inputs.num_experts,
-                   "uncovered": self.config.uncovered_experts, "progress": on_batch, "plan": inputs.plan}
+        options = {"router_glob": inputs.family.router_glob, "router_ids": inputs.family.router_ids,
+                   "num_experts": inputs.num_experts, "uncovered": self.config.uncovered_experts,
+                   "progress": on_batch, "plan": inputs.plan}
         prepared = time.perf_counter() - started  # the recipe's config, waiting for the batches, on the device
         with bar:
             result = all_or_fail("calibrate", lambda: calibrate(model, cfg, batches, **options))

@@ -82,6 +82,40 @@ def capture_ep_forwards(model: torch.nn.Module) -> int:
     return found
 
 
+def _implementation_of(ep_forward) -> object | None:
+    """The `EPImplementation` transformers' dispatching forward (`EpDispatchExpertsParallel.install_forward`'s
+    closure) calls, or None where it is not found there."""
+    code, cells = getattr(ep_forward, "__code__", None), getattr(ep_forward, "__closure__", None) or ()
+    if code is None or "implementation" not in code.co_freevars:
+        return None
+    return cells[code.co_freevars.index("implementation")].cell_contents
+
+
+def restore_ep_forwards(model: torch.nn.Module) -> int:
+    """Put back, on every experts module whose dispatching forward `capture_ep_forwards` kept, that forward as the
+    instance's `forward`, for model code that calls `self.experts(...)` with global expert ids (transformers' native
+    MoE blocks). Call it after ModelOpt's conversion, which binds the (quantized) class forward on the instance
+    (`DynamicModule.convert`, keeping the dispatching one as `_forward_pre_dm`): the dispatching forward then runs
+    dispatch -> the experts' class forward looked up at call time (ModelOpt's quantized forward, on local expert
+    ids and local weights) -> combine. Only `torch_a2a` runs the class forward at call time (transformers' own
+    implementations run the forward bound when the plan was applied, which would bypass the quantizers): another
+    implementation is refused. Idempotent; returns how many modules dispatch."""
+    found = 0
+    for module in model.modules():
+        ep_forward = module.__dict__.get(EP_FORWARD_ATTR)
+        if ep_forward is None:
+            continue
+        implementation = _implementation_of(ep_forward)
+        if implementation is not None and not isinstance(implementation, TorchA2AEP):
+            raise RuntimeError(
+                f"{type(module).__name__}: expert-parallel implementation {type(implementation).__name__} runs the "
+                f"experts' forward bound when the plan was applied, not the quantized one; calibrate with {NAME!r}")
+        if module.__dict__.get("forward") is not ep_forward:
+            module.forward = ep_forward
+        found += 1
+    return found
+
+
 def call_experts(experts: torch.nn.Module, hidden_states, top_k_index, top_k_weights):
     """Run an experts module: through its expert-parallel dispatch when it has one, else as a module."""
     ep_forward = experts.__dict__.get(EP_FORWARD_ATTR)

@@ -138,5 +138,39 @@ def count_checkpoint_reads(expert_globs: Iterable[str]):
         mu.safe_open = original
 
 
+@contextlib.contextmanager
+def local_expert_params(model: nn.Module):
+    """Present the expert-parallel experts' sharded parameters (DTensors `Shard(0)` over the EP mesh, global
+    shape [E, ...]) as this rank's local tensors [E/ep, ...] while the body runs, as transformers does inside the
+    dispatching forward (`_use_local_dtensor_params`); the modules' `num_experts` already is the local count.
+
+    For ModelOpt's calibration, which reads the weights outside the forward: ModelOpt 0.47's weight calibration
+    (`model_calib.weight_only_quantize` -> `_QuantFusedExperts.iter_weights_for_calibration`) yields
+    `weight[idx]` for idx < num_experts; on the DTensor that is global expert idx, not local expert idx, so a
+    rank > 0's per-expert weight amax would mix another rank's expert in. The local tensors share storage with the
+    DTensors, so writes in place (a folded weight) stay; a parameter the body replaces is wrapped back as a DTensor
+    with the original's placements."""
+    swapped = []
+    for module in model.modules():
+        if not getattr(module, "_is_expert_parallel", False):
+            continue
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                local = nn.Parameter(param.to_local(), requires_grad=param.requires_grad and param.is_floating_point())
+                module._parameters[name] = local
+                swapped.append((module, name, param, local))
+    try:
+        yield len(swapped)
+    finally:
+        for module, name, original, local in swapped:
+            current = module._parameters.get(name)
+            if current is local:
+                module._parameters[name] = original
+            elif current is not None and not isinstance(current, DTensor):
+                module._parameters[name] = nn.Parameter(
+                    DTensor.from_local(current.detach(), original.device_mesh, original.placements, run_check=False),
+                    requires_grad=original.requires_grad)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from modelopt_ext.dist import mark
+from modelopt_ext.ep.backend import restore_ep_forwards
+from modelopt_ext.ep.sharding import local_expert_params
 from modelopt_ext.profiling import BatchProfiler, sync_device
 
 from .collect import check_collected, deferred_checks
@@ -71,6 +73,10 @@ def all_experts_routing(model: torch.nn.Module, router_glob: str, num_experts: i
     """Routers return every expert, with the unpicked ones weighted 0 (outputs unchanged)."""
 
     def hook(module, inputs, output):
+        if not (isinstance(output, tuple) and len(output) == 2):
+            raise ValueError(f"uncovered-experts policy 'all-experts' needs routers returning (topk_ids, weights); "
+                             f"{type(module).__name__} returns {type(output).__name__} of "
+                             f"{len(output) if isinstance(output, tuple) else 1} items")
         ids_TK, weights_TK = output
         T = ids_TK.shape[0]
         full = torch.zeros(T, num_experts, dtype=weights_TK.dtype, device=weights_TK.device)
@@ -131,7 +137,7 @@ def _search(model: torch.nn.Module, search, batches: list) -> dict[str, Any]:
                 mark(f"{search.method} forward batch {i + 1}/{len(batches)}")
                 m(**batch, use_cache=False)
 
-    with _integer_params_under_fsdp(model):
+    with _integer_params_under_fsdp(model), local_expert_params(model):
         return search_weights(model, search, replay)
 
 
@@ -145,9 +151,18 @@ def calibrate(
     uncovered: str = "weights",
     progress: Callable[[int], None] | None = None,
     plan=None,
+    router_ids: Callable[[Any], torch.Tensor] | None = None,
 ) -> CalibrationResult:
     """Quantize `model` with ModelOpt, calibrating on `batches` (this rank's); see the module doc. `plan`: the
-    distribution plan the model was loaded with (default: the one `modelopt_ext.from_pretrained` put on it)."""
+    distribution plan the model was loaded with (default: the one `modelopt_ext.from_pretrained` put on it).
+    `router_ids`: the family's `FamilySpec.router_ids` (where a router's output holds the expert ids; default its
+    first item).
+
+    Under expert parallelism (experts modules sharded by `ep_dispatch_experts`): ModelOpt converts the model and
+    calibrates the weights with the experts' sharded parameters presented as this rank's local tensors
+    (`ep.sharding.local_expert_params`: its per-expert weight quantizers are local experts, indexed locally), and
+    after the conversion, which binds the quantized class forward on the experts modules, their dispatching forward
+    is put back (`ep.backend.restore_ep_forwards`) for MoE blocks that call `self.experts(...)` with global ids."""
     import_modelopt()  # done by this package's import already; makes sure ModelOpt leaves no temp files
     import modelopt.torch.quantization as mtq
 
@@ -176,6 +191,7 @@ def calibrate(
         marks = [("start", time.perf_counter())]  # (part that ended, when)
 
         def forward_loop(m):
+            restore_ep_forwards(m)  # after ModelOpt's conversion, before the first forward
             marks.append(("convert", time.perf_counter()))
             profiler = BatchProfiler.from_env(dist.get_rank() if dist.is_initialized() else 0)
             with torch.no_grad():
@@ -193,9 +209,11 @@ def calibrate(
             check_collected(m)  # the statistics' finiteness, deferred from every collect to here (a host read)
             marks.append(("forward", time.perf_counter()))
 
-        with record_expert_coverage(model, router_glob, num_experts) as coverage:
-            with _integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks():
+        with record_expert_coverage(model, router_glob, num_experts, router_ids) as coverage:
+            with (_integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks(),
+                  local_expert_params(model)):
                 model = mtq.quantize(model, cfg, forward_loop)
+            restore_ep_forwards(model)  # also where ModelOpt ran no forward loop
             marks.append(("finish", time.perf_counter()))
         distributed = dist.is_available() and dist.is_initialized()
         report = sync_amax(model) if distributed else None

@@ -16,7 +16,9 @@ import fnmatch
 import json
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,6 +87,10 @@ class Coverage:
         _write_png(Path(path), width=len(rows[0]) * cell, height=len(pixels), rows=pixels)
 
 
+def _first_item(output):
+    return output[0]
+
+
 def _layer_order(name: str):
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
@@ -100,19 +106,32 @@ def _write_png(path: Path, width: int, height: int, rows: list[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def record_expert_coverage(model: torch.nn.Module, router_glob: str, num_experts: int):
+def record_expert_coverage(model: torch.nn.Module, router_glob: str, num_experts: int,
+                           router_ids: Callable[[Any], torch.Tensor] | None = None):
     """Count routed tokens while the body runs forwards; sums over ranks on exit.
 
     Args:
-        router_glob: fnmatch glob of the router modules' names; a router returns (topk_ids [T, K], weights).
+        router_glob: fnmatch glob of the router modules' names.
         num_experts: experts per MoE layer (global).
+        router_ids: `router_ids(router_output)` -> its top-k global expert ids [T, K] (the family's
+            `FamilySpec.router_ids`); default: the output's first item, for routers returning (topk_ids, weights).
     """
+    ids_of = _first_item if router_ids is None else router_ids
     coverage = Coverage(num_experts)
+
+    def hook(mod, inputs, output, name):
+        ids = ids_of(output)
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"router {name}: the expert ids read from its output ({type(output).__name__}) are not an "
+                            f"integer tensor (got {getattr(ids, 'dtype', type(ids).__name__)}); give the family's "
+                            "`router_ids`")
+        coverage.add(name, ids.detach())
+
     handles = []
     for name, module in model.named_modules():
         if fnmatch.fnmatchcase(name, router_glob):
             handles.append(module.register_forward_hook(
-                lambda mod, inputs, output, name=name: coverage.add(name, output[0].detach())))
+                lambda mod, inputs, output, name=name: hook(mod, inputs, output, name)))
     if not handles:
         raise ValueError(f"no module of the model matches the router glob {router_glob!r}")
     try:

@@ -342,6 +342,9 @@ def restore(model: nn.Module, quant_cfg: Mapping[str, Any], directory: Path, hea
     from modelopt.torch.quantization.nn import TensorQuantizer
     from safetensors.torch import load_file
 
+    from modelopt_ext.ep.backend import restore_ep_forwards
+    from modelopt_ext.ep.sharding import local_expert_params
+
     from .calibrate import CalibrationResult, _integer_params_under_fsdp, name_parent_class_rules
     from .coverage import Coverage
     from .recipe_io import check_calibrators
@@ -354,8 +357,9 @@ def restore(model: nn.Module, quant_cfg: Mapping[str, Any], directory: Path, hea
     if isinstance(cfg.get("quant_cfg"), list):
         check_calibrators(cfg["quant_cfg"], "quant config")
         cfg["quant_cfg"] = name_parent_class_rules(cfg["quant_cfg"], model)
-    with _integer_params_under_fsdp(model):
+    with _integer_params_under_fsdp(model), local_expert_params(model):  # as calibrate converts (its doc)
         model = mtq.quantize(model, cfg, None)
+    restore_ep_forwards(model)
     quantizers = {n: q for n, q in model.named_modules() if isinstance(q, TensorQuantizer)}
     saved = header["quantizers"]
     missing, extra = sorted(saved.keys() - quantizers.keys()), sorted(quantizers.keys() - saved.keys())
