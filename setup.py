@@ -6,6 +6,7 @@ from setuptools import find_packages, setup
 
 setup(
     packages=find_packages(include=["modelopt_ext*"]) + [
-        "modelopt_ext.recipes", "modelopt_ext.recipes.kimi_k3", "modelopt_ext.recipes.units"],
+        "modelopt_ext.recipes", "modelopt_ext.recipes.kimi_k3", "modelopt_ext.recipes.deepseek_v3",
+        "modelopt_ext.recipes.units"],
     package_dir={"modelopt_ext.recipes": "recipes"},
 )

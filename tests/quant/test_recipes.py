@@ -24,6 +24,7 @@ import modelopt_ext
 from modelopt_ext.quant import recipes as R
 
 SHIPPED = ["kimi_k3/calibration_free", "kimi_k3/fp8_all", "kimi_k3/nvfp4_experts-fp8_attention", "kimi_k3/nvfp4_experts_only"]
+DEEPSEEK_V3 = ["deepseek_v3/fp8_all", "deepseek_v3/nvfp4_experts-fp8_attention", "deepseek_v3/nvfp4_experts_only"]
 PRODUCTION = "kimi_k3/nvfp4_experts-fp8_attention"
 NVFP4 = ((2, 1), 16, (4, 3))  # E2M1 values, 16-element blocks, E4M3 scales
 FP8 = (4, 3)
@@ -52,10 +53,13 @@ O_PROJ_FP8 = {"quantizer_name": "*self_attn.o_proj.weight_quantizer", "cfg": {"$
 
 
 def test_shipped_recipes_and_name_resolution(tmp_path, monkeypatch):
-    assert R.available_recipes() == sorted(SHIPPED)
+    assert R.available_recipes() == sorted(SHIPPED + DEEPSEEK_V3)
     full = R.RECIPES_DIR / "kimi_k3" / "fp8_all.yaml"
     assert R.resolve_recipe("kimi_k3/fp8_all") == full
-    assert R.resolve_recipe("fp8_all") == full
+    with pytest.raises(R.RecipeNotFoundError, match="recipe name 'fp8_all' is ambiguous: deepseek_v3/fp8_all, "
+                                                    "kimi_k3/fp8_all; give the full name"):
+        R.resolve_recipe("fp8_all")
+    assert R.resolve_recipe("calibration_free") == R.RECIPES_DIR / "kimi_k3" / "calibration_free.yaml"
     assert R.resolve_recipe("kimi_k3/fp8_all.yaml") == full
     assert R.resolve_recipe(full) == full
     # in a checkout the recipes are the repository's top-level recipes/ (test_the_wheel_ships_the_recipes)
@@ -81,13 +85,15 @@ def test_every_shipped_recipe_loads_through_modelopt(name, monkeypatch, capsys):
     assert recipe["quantize"]["algorithm"]["method"] == "max"
     entries = recipe["quantize"]["quant_cfg"]
     assert entries[0] == {"quantizer_name": "*", "parent_class": None, "cfg": None, "enable": False}
-    # the Kimi-K3 unit comes last, so it wins over every enabling entry
-    unit = yaml.safe_load((R.RECIPES_DIR / "units" / "kimi_k3_exclusions.yaml").read_text())
+    # the family's exclusions unit comes last, so it wins over every enabling entry
+    family = name.partition("/")[0]
+    unit_file = R.RECIPES_DIR / "units" / f"{family}_exclusions.yaml"
+    unit = yaml.safe_load(unit_file.read_text())
     assert [e["quantizer_name"] for e in entries[-len(unit):]] == [e["quantizer_name"] for e in unit]
     assert all(not e["enable"] for e in entries[-len(unit):])
     assert len(recipe.sources) == len(entries)
     assert recipe.sources[0].modelopt_default and "base_disable_all" in recipe.sources[0].location
-    assert str(recipe.sources[-1]).startswith(str(R.RECIPES_DIR / "units" / "kimi_k3_exclusions.yaml"))
+    assert str(recipe.sources[-1]).startswith(str(unit_file))
 
 
 def test_recipe_contents():
@@ -173,9 +179,9 @@ def test_missing_recipe_lists_what_was_looked_for_and_the_names():
     message = str(info.value)
     assert "'fp9_everything' not found" in message
     assert str(R.RECIPES_DIR / "fp9_everything.yaml") in message
-    for name in SHIPPED:
+    for name in SHIPPED + DEEPSEEK_V3:
         assert name in message
-    with pytest.raises(R.RecipeNotFoundError, match="Available recipes: kimi_k3/calibration_free, kimi_k3/fp8_all"):
+    with pytest.raises(R.RecipeNotFoundError, match="Available recipes: deepseek_v3/fp8_all, .*kimi_k3/fp8_all"):
         R.resolve_recipe("units/kimi_k3_exclusions")  # a unit is not a recipe
 
 
@@ -316,7 +322,7 @@ def test_qformat_mapping():
         for qformat, recipe in table.items():  # real hf_ptq.py --qformat names, real recipes
             assert BUILTIN_CONFIG_ROOT.joinpath(f"configs/ptq/presets/model/{qformat}.yaml").is_file()
             assert recipe in R.available_recipes()
-    with pytest.raises(ValueError, match=r"--qformat 'nvfp4' has no modelopt_ext recipe \(mapped: kimi_k3: fp8 -> "):
+    with pytest.raises(ValueError, match=r"--qformat 'nvfp4' has no modelopt_ext recipe \(mapped: .*kimi_k3: fp8 -> "):
         R.recipe_for_qformat("nvfp4")
 
 
@@ -608,7 +614,7 @@ def test_the_wheel_ships_the_recipes(tmp_path):
     assert not [n for n in names if n.startswith("recipes/")]
     probe = ("import json, modelopt_ext; from modelopt_ext.quant import recipes as R; "
              "print(json.dumps([modelopt_ext.__file__, str(R.RECIPES_DIR), R.available_recipes(), "
-             "str(R.resolve_recipe('fp8_all'))]))")
+             "str(R.resolve_recipe('kimi_k3/fp8_all'))]))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**env, "PYTHONPATH": str(site)})

@@ -1,22 +1,20 @@
 """The DeepSeek-V3 family spec (DeepSeek-V3/R1 `deepseek_v3`, Kimi-K2 `kimi_k2`): transformers' native model, so
-no pinned revision and no remote-code lock; EP plan, exclusions, converters, sizes, the stand-in.
-
-Not yet given (None): a default recipe and the serving facts (fused groups, engine names, KV cache), which
-`ptq` needs for its recipe checks and the export; `ptq` refuses the family until they and the pieces
-`PTQ_REFUSED` names exist (loading, EP loading and `plan` work)."""
+no pinned revision and no remote-code lock; EP plan, exclusions, converters, sizes, serving facts, recipes, the
+stand-in. `ptq` refuses the family until the pieces `PTQ_REFUSED` names exist."""
 
 from __future__ import annotations
 
-from modelopt_ext.families import FamilySpec, register_family
+from modelopt_ext.families import FamilySpec, ServingSpec, register_family
 
+from . import engine_rules, serving
 from .config_check import MODEL_TYPES, check_config
 from .pinned import EP_PLAN, EXPORT_EXPERT_NAMES, MIN_VERSIONS, ROUTER_GLOB
 from .sizes import BUNDLED_CONFIG, KIMI_K2_CONFIG, plan_sizes
 
-PTQ_REFUSED = ("its recipes, its serving facts (fused groups, engine names, KV cache) and the export's exact copy of "
-               "FP8-block source weights are not written yet, and ModelOpt's conversion under EP puts the experts' "
-               "class forward back (transformers' native MoE block then sends global expert ids to the local "
-               "shard); loading (modelopt_ext.from_pretrained, also with ep_size) and `modelopt-ext plan` work")
+PTQ_REFUSED = ("the export does not write this family yet (the exact copy of FP8-block source weights and of the MTP "
+               "layer, the fused layout of transformers' native experts); loading (modelopt_ext.from_pretrained, also "
+               "with ep_size), calibration (also under EP) and `modelopt-ext plan` work, and the recipes and the "
+               "serving facts exist")
 
 
 def quantizer_exclusions(config) -> tuple[str, ...]:
@@ -63,10 +61,22 @@ DEEPSEEK_V3 = register_family(
         router_glob=ROUTER_GLOB,
         sizes=plan_sizes,
         bundled_configs={"deepseek-v3": BUNDLED_CONFIG, "kimi-k2": KIMI_K2_CONFIG},
-        default_recipe=None,
+        default_recipe="deepseek_v3/nvfp4_experts-fp8_attention",
         export_expert_names=EXPORT_EXPERT_NAMES,
         check_config=check_config,
-        serving=None,
+        serving=ServingSpec(
+            engines=serving.ENGINES,
+            fused_groups=serving.fused_groups,
+            never_quantized=serving.never_quantized,
+            engine_name=serving.engine_name,
+            layer_aliases=serving.layer_aliases,
+            linear_shape=serving.linear_shape,
+            kv_cache=serving.KV_CACHE,
+            sglang_key=engine_rules.sglang_key,
+            trtllm_names=engine_rules.trtllm_names,
+            sources=engine_rules.SOURCES,
+        ),
         ptq_refused=PTQ_REFUSED,
+        router_ids=lambda output: output[2],  # DeepseekV3TopkRouter returns (logits, topk weights, topk ids)
     )
 )

@@ -38,7 +38,8 @@ def test_registered_for_both_model_types(spec):
     assert family_for_config(DSV3) is spec and family_for_config(K2) is spec
     assert spec.model_types == ("deepseek_v3", "kimi_k2") and spec.text_model_type is None
     assert spec.revision is None and spec.remote_code_lock is None  # transformers' own classes
-    assert spec.default_recipe is None and spec.serving is None and spec.prediction is None
+    assert spec.default_recipe == "deepseek_v3/nvfp4_experts-fp8_attention" and spec.prediction is None
+    assert spec.serving.engines == ("vllm", "sglang", "trtllm") and spec.ptq_refused
     assert dict(spec.bundled_configs) == {"deepseek-v3": S.BUNDLED_CONFIG, "kimi-k2": S.KIMI_K2_CONFIG}
     assert dict(spec.export_expert_names) == {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
@@ -140,15 +141,14 @@ quantize:
 
 
 def test_ptq_refuses_the_family_before_loading(ds_tiny, tmp_path, capsys, monkeypatch):
-    """Until its recipes, serving facts, FP8-block export and ModelOpt-under-EP fix exist, `ptq` refuses the
-    family in validate, saying why, and loads nothing."""
+    """Until the export writes the family, `ptq` refuses it in validate, saying why, and loads nothing."""
     import modelopt_ext.loading
 
     monkeypatch.setattr(modelopt_ext.loading, "load_checkpoint", lambda *a, **k: pytest.fail("loaded"))
     assert main(["ptq", "--model", str(ds_tiny), "--export-dir", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("modelopt-ext ptq: error: validate: family 'deepseek_v3' (") and \
-        "cannot be quantized by ptq yet: its recipes, its serving facts" in err, err
+        "cannot be quantized by ptq yet: the export does not write this family yet" in err, err
 
 
 def test_ptq_validate_has_no_lock_to_check(ds_tiny, tmp_path, monkeypatch, spec):
@@ -168,8 +168,8 @@ def test_ptq_validate_has_no_lock_to_check(ds_tiny, tmp_path, monkeypatch, spec)
     recipe.write_text(RECIPE)
     inputs = ptq.validate(PtqConfig(model=str(ds_tiny), export_dir=str(tmp_path / "o"), recipe=str(recipe)))
     assert inputs.lock is None and inputs.family is runnable and inputs.num_experts == 16
-    with pytest.raises(ValueError, match="has no default recipe"):
-        ptq.validate(PtqConfig(model=str(ds_tiny), export_dir=str(tmp_path / "o")))
+    default = ptq.validate(PtqConfig(model=str(ds_tiny), export_dir=str(tmp_path / "o")))
+    assert ptq.recipe_name(default.recipe.path) == "deepseek_v3/nvfp4_experts-fp8_attention"
     lock = tmp_path / "lock.json"
     lock.write_text("{}")
     with pytest.raises(ValueError, match=rf"--remote-code-lock {lock}: family 'deepseek_v3' loads with transformers' "
