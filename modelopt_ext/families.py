@@ -21,9 +21,8 @@ class ServingSpec:
 
     Attributes:
         engines: the engines described ("vllm", "sglang", "trtllm").
-        fused_groups: `fused_groups(config_json_mapping)` -> groups of one layer's modules an engine fuses
-            into one GEMM; each has `.name`, `.layer`, `.members` (checkpoint names), `.fused` (engine ->
-            (fused module name under that engine's naming, the members it fuses)) and `.describe()`.
+        fused_groups: `fused_groups(config_json_mapping)` -> the `FusedGroup`s: groups of one layer's modules an
+            engine fuses into one GEMM.
         never_quantized: `never_quantized(module)`: no engine quantizes this module (checkpoint naming).
         engine_name: `engine_name(module, engine)` -> the name that engine gives the module it builds.
         layer_aliases: `layer_aliases(module)` -> the `quantized_layers` keys that every engine resolves.
@@ -49,6 +48,21 @@ class ServingSpec:
     sglang_key: Callable[[str], str] = str
     trtllm_names: Callable[..., list[str]] | None = None
     sources: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGroup:
+    """One engine-fused group of one decoder layer, in checkpoint names."""
+
+    name: str
+    layer: int
+    members: tuple[str, ...]  # full module names, in the engines' fused order
+    # engine -> (its fused module's name under its own naming, the members it fuses there)
+    fused: Mapping[str, tuple[str, tuple[str, ...]]]
+
+    def describe(self) -> str:
+        engines = ", ".join(f"{e} {n.rpartition('.')[2]}" for e, (n, _) in self.fused.items())
+        return f"{self.name} of layer {self.layer} ({engines})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from modelopt_ext.models.kimi_k3.standin.fit import corpus_blocks
 from modelopt_ext.models.kimi_k3.standin.smoke import load_unpatched
+from modelopt_ext.standin.fit import corpus_blocks
 
 BATCH = 32  # corpus blocks per forward
 

@@ -69,7 +69,8 @@ def check_patterns_match(quant_cfg, model) -> None:
     found = quantizers(model)
     if not found:
         raise ValueError(f"{type(model).__name__} has no quantizers: check the model mtq.quantize returned")
-    others = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    others = ([n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+              + [n for n, _ in model.named_buffers()])  # e.g. a router's correction bias, kept out on purpose
     problems = []
     for entry, source in zip(entries, sources):
         if source.modelopt_default:

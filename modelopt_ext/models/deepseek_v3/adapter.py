@@ -95,7 +95,7 @@ def _conversion_scope(model_type: str):
     with contextlib.ExitStack() as stack:
         stack.enter_context(exact_block_dequantize())
         if model_type != NATIVE_MODEL_TYPE:
-            from modelopt_ext.models.kimi_k3.convert import scoped_conversion_mapping
+            from modelopt_ext.conversion import scoped_conversion_mapping
 
             stack.enter_context(scoped_conversion_mapping(model_type, expert_converters()))
         yield

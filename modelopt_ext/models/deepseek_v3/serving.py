@@ -25,12 +25,11 @@ Facts read in the engines' DeepSeek-V3 model files (`engine_rules.SOURCES` names
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from modelopt_ext.families import KVCacheServing
+from modelopt_ext.families import FusedGroup, KVCacheServing
 
 LAYERS = "model.layers."
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -54,21 +53,6 @@ NEVER_QUANTIZED = (
 SGLANG_SHARED_EXPERTS = (
     "SGLang fuses the shared experts into the routed experts bank (mlp.experts.{n_routed_experts}) unless started "
     "with --disable-shared-experts-fusion, loading them with the routed experts' quantization method")
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedGroup:
-    """One engine-fused group of one decoder layer, in checkpoint names."""
-
-    name: str
-    layer: int
-    members: tuple[str, ...]  # full module names, in the engines' fused order
-    # engine -> (its fused module's name under its own naming, the members it fuses there)
-    fused: Mapping[str, tuple[str, tuple[str, ...]]]
-
-    def describe(self) -> str:
-        engines = ", ".join(f"{e} {n.rpartition('.')[2]}" for e, (n, _) in self.fused.items())
-        return f"{self.name} of layer {self.layer} ({engines})"
 
 
 def _layer_kinds(config: Mapping[str, Any]) -> dict[str, range | list[int]]:

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
+from modelopt_ext.conversion import scoped_conversion_mapping
 from modelopt_ext.families import read_config, source_quantization_config
 from modelopt_ext.formats.mxfp4 import check_scales
 from modelopt_ext.loader import CheckpointError, PreparedLoad, WarmupHooks, on_gpu
@@ -29,7 +30,7 @@ from modelopt_ext.models.kimi_k3.config_check import check_config
 from modelopt_ext.versions import check_min_versions
 
 from .cache import KimiHybridCache
-from .convert import expert_converters, scoped_conversion_mapping
+from .convert import expert_converters
 from .experts import KimiK3PackedExperts
 from .kda import apply_kda_patch, plan_kda_patch
 from .patch import apply_patches, expert_storage, missing_classes

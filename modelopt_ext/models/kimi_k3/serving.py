@@ -20,12 +20,11 @@ Facts read in the engines' sources (docs/export.md, "Serving engines", lists the
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from modelopt_ext.families import KVCacheServing
+from modelopt_ext.families import FusedGroup, KVCacheServing
 
 from .inventory import layer_schedule
 
@@ -57,21 +56,6 @@ NEVER_QUANTIZED = (
     r"^vision_tower\.",
     r"^mm_projector\.",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedGroup:
-    """One engine-fused group of one decoder layer, in checkpoint names."""
-
-    name: str
-    layer: int
-    members: tuple[str, ...]  # full module names, in the engines' fused order
-    # engine -> (its fused module's name under its own naming, the members it fuses there)
-    fused: Mapping[str, tuple[str, tuple[str, ...]]]
-
-    def describe(self) -> str:
-        engines = ", ".join(f"{e} {n.rpartition('.')[2]}" for e, (n, _) in self.fused.items())
-        return f"{self.name} of layer {self.layer} ({engines})"
 
 
 def fused_groups(config: Mapping[str, Any]) -> tuple[FusedGroup, ...]:

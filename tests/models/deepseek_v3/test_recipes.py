@@ -124,3 +124,24 @@ def test_the_wheel_lists_the_recipe_folder():
     root = Path(R.__file__).resolve().parents[2]
     assert '"modelopt_ext.recipes.deepseek_v3" = ["*.yaml"]' in (root / "pyproject.toml").read_text()
     assert '"modelopt_ext.recipes.deepseek_v3"' in (root / "setup.py").read_text()
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_pattern_of_a_shipped_recipe_matches_the_model(name, ds_tiny):
+    """ModelOpt's conversion of the loaded stand-in with each recipe: every entry matches what it is meant for
+    (`check_patterns_match`, which ptq runs after the first batch: a pattern that matches nothing fails the run),
+    and the router, norms, embeddings and lm_head stay unquantized."""
+    import modelopt.torch.quantization as mtq
+    import torch
+
+    import modelopt_ext
+    from modelopt_ext.quant.patterns import quantizers
+
+    model = modelopt_ext.from_pretrained(ds_tiny, dtype=torch.float32)
+    cfg = dict(R.quant_config(R.load(name), model.config))
+    cfg["algorithm"] = None  # conversion only
+    model = mtq.quantize(model, cfg, None)
+    R.check_patterns_match(R.quant_config(R.load(name), model.config), model)
+    enabled = [n for n, q in quantizers(model).items() if q.is_enabled]
+    assert enabled and not [n for n in enabled if ".mlp.gate." in n or "norm" in n or "lm_head" in n
+                            or "embed_tokens" in n]

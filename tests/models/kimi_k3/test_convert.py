@@ -1,4 +1,4 @@
-"""Tests of modelopt_ext/models/kimi_k3/convert.py: the per-expert <-> fused converters and the scoped mapping."""
+"""Tests of modelopt_ext/models/kimi_k3/convert.py: the per-expert <-> fused converters."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from copy import deepcopy
 
 import pytest
 import torch
-import transformers.conversion_mapping as cm
 from transformers.core_model_loading import apply_converters, dot_natural_key, revert_weight_conversion
 
-from modelopt_ext.models.kimi_k3.convert import expert_converters, scoped_conversion_mapping
+from modelopt_ext.models.kimi_k3.convert import expert_converters
 
 PACKED_KEY = "language_model.model.layers.1.block_sparse_moe.experts.3.{w}.{suffix}"
 
@@ -99,82 +98,3 @@ def test_converters_round_trip(storage):
     assert set(back) == set(per_expert) | set(other)
     for k, v in per_expert.items():
         assert torch.equal(back[k], v), k
-
-
-def _registry_snapshot():
-    if cm._checkpoint_conversion_mapping_cache is None:
-        cm.get_checkpoint_conversion_mapping("llama")
-    reg = cm._checkpoint_conversion_mapping_cache
-    return reg, dict(reg), set(cm.USER_REGISTERED_MAPPINGS)
-
-
-def _assert_restored(snap):
-    reg, items, user = snap
-    assert cm._checkpoint_conversion_mapping_cache is reg
-    assert reg.keys() == items.keys()
-    assert all(reg[k] is items[k] for k in items)
-    assert cm.USER_REGISTERED_MAPPINGS == user
-
-
-@pytest.mark.parametrize("raises", [False, True], ids=["ok", "body-raises"])
-def test_scoped_conversion_mapping_new_name(raises):
-    snap = _registry_snapshot()
-    native_kimi = cm._checkpoint_conversion_mapping_cache.get("kimi_linear")
-    assert native_kimi is not None
-    name = "ScopedMappingTestModelA"
-    transforms = expert_converters("mxfp4")
-    assert name not in snap[1]
-
-    def body():
-        with scoped_conversion_mapping(name, transforms):
-            assert cm._checkpoint_conversion_mapping_cache[name] is transforms
-            assert name in cm.USER_REGISTERED_MAPPINGS
-            assert cm._checkpoint_conversion_mapping_cache["kimi_linear"] is native_kimi
-            if raises:
-                raise KeyError("inside")
-
-    if raises:
-        with pytest.raises(KeyError, match="inside"):
-            body()
-    else:
-        body()
-    _assert_restored(snap)
-    assert cm._checkpoint_conversion_mapping_cache["kimi_linear"] is native_kimi
-    assert "kimi_linear" not in cm.USER_REGISTERED_MAPPINGS or "kimi_linear" in snap[2]
-
-
-def test_scoped_conversion_mapping_restores_existing_entries():
-    # a native entry: replaced inside, back afterwards, and not left marked as user-registered
-    snap = _registry_snapshot()
-    native = cm._checkpoint_conversion_mapping_cache["mixtral"]
-    with pytest.raises(RuntimeError):
-        with scoped_conversion_mapping("mixtral", expert_converters("dense")):
-            assert cm._checkpoint_conversion_mapping_cache["mixtral"] is not native
-            assert "mixtral" in cm.USER_REGISTERED_MAPPINGS
-            raise RuntimeError
-    _assert_restored(snap)
-
-    # a user's own earlier registration: restored and still marked as the user's
-    name = "ScopedMappingTestModelB"
-    mine = expert_converters("dense")
-    cm.register_checkpoint_conversion_mapping(name, mine)
-    try:
-        snap = _registry_snapshot()
-        with scoped_conversion_mapping(name, expert_converters("mxfp4")):
-            assert cm._checkpoint_conversion_mapping_cache[name] is not mine
-        _assert_restored(snap)
-        assert cm._checkpoint_conversion_mapping_cache[name] is mine and name in cm.USER_REGISTERED_MAPPINGS
-    finally:
-        cm._checkpoint_conversion_mapping_cache.pop(name, None)
-        cm.USER_REGISTERED_MAPPINGS.discard(name)
-
-
-def test_scoped_conversion_mapping_builds_the_registry(monkeypatch):
-    monkeypatch.setattr(cm, "_checkpoint_conversion_mapping_cache", None)
-    name = "ScopedMappingTestModelC"
-    with scoped_conversion_mapping(name, expert_converters("dense")):
-        reg = cm._checkpoint_conversion_mapping_cache
-        assert reg is not None and name in reg and "kimi_linear" in reg
-    assert name not in cm._checkpoint_conversion_mapping_cache
-    assert name not in cm.USER_REGISTERED_MAPPINGS
-    assert "kimi_linear" in cm._checkpoint_conversion_mapping_cache

@@ -11,7 +11,6 @@ import torch
 from modelopt_ext.families import family_for_config
 from modelopt_ext.models.kimi_k3 import sizes as S
 from modelopt_ext.models.kimi_k3.config_check import NOT_KEPT_BY_TRANSFORMERS_5
-from modelopt_ext.models.kimi_k3.standin import tokenizer as tok
 from modelopt_ext.models.kimi_k3.standin.configuration_kimi_k3 import KimiK3Config
 from modelopt_ext.models.kimi_k3.standin.generate import (
     FP32_KEYS,
@@ -21,6 +20,7 @@ from modelopt_ext.models.kimi_k3.standin.generate import (
 )
 from modelopt_ext.models.kimi_k3.standin.modeling_kimi_k3 import KimiK3ForConditionalGeneration
 from modelopt_ext.plan import REQUIRED_SIZES
+from modelopt_ext.standin import tokenizer as tok
 
 SPECIAL_IDS = {"[BOS]": 1, "[EOS]": 2, "[PAD]": 0, tok.IMAGE_TOKEN: 3}
 

@@ -1,14 +1,13 @@
 """Fit the DeepSeek-V3 stand-in's random weights to the embedded corpus (`make_tiny(..., fit_steps=N)`).
 
-The same recipe as the Kimi-K3 stand-in's fit (`kimi_k3/standin/fit.py`, whose data, settings and schedule
-this reuses): next-token cross-entropy on `corpus.txt` tokenized with the stand-in's tokenizer and packed into
-blocks as calibration packs it, AdamW, fp32 on the CPU, one thread, the data order seeded by `seed`. The model
-is transformers' own `DeepseekV3ForCausalLM` in fp32 (differentiable as it is: its experts and router take
-gradients; the correction bias is a buffer and keeps its random values). The checkpoint's per-expert
-tensors go in as the model's fused `gate_up_proj` / `down_proj` and come back out the same way. The MTP
-layer is not part of that model: its decoder block keeps its random values and its embeddings and head are
-copied again from the fitted main ones, as the real checkpoint's are copies. The same (seed, steps, sizes)
-gives the same values.
+The fit every stand-in shares (`modelopt_ext.standin.fit`: data, settings, schedule, training loop): next-token
+cross-entropy on `corpus.txt` tokenized with the stand-in's tokenizer and packed into blocks as calibration packs
+it, AdamW, fp32 on the CPU, one thread, the data order seeded by `seed`. The model is transformers' own
+`DeepseekV3ForCausalLM` in fp32 (differentiable as it is: its experts and router take gradients; the correction bias
+is a buffer and keeps its random values). The checkpoint's per-expert tensors go in as the model's fused
+`gate_up_proj` / `down_proj` and come back out the same way. The MTP layer is not part of that model: its decoder
+block keeps its random values and its embeddings and head are copied again from the fitted main ones, as the real
+checkpoint's are copies. The same (seed, steps, sizes) gives the same values.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from modelopt_ext.models.kimi_k3.standin.fit import FitResult, FitSettings, _lr_factor, corpus_blocks
+from modelopt_ext.standin.fit import FitResult, FitSettings, corpus_blocks, mean_loss, single_thread, train
 
 from .. import layout as L
 
@@ -85,12 +84,6 @@ def _loss(model, ids_BS: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids_BS[:, 1:].reshape(-1))
 
 
-def _mean_loss(model, blocks: torch.Tensor, batch_size: int) -> float:
-    with torch.no_grad():
-        total = sum(_loss(model, b).item() * b.shape[0] for b in blocks.split(batch_size))
-    return total / blocks.shape[0]
-
-
 def fit_values(config: Mapping[str, Any], values: Mapping[str, torch.Tensor], tokenizer_dir: str | Path,
                steps: int, seed: int, settings: FitSettings = FitSettings()) -> FitResult:
     """Train the model with the checkpoint values `values` (fp32) for `steps` AdamW steps of next-token loss on
@@ -101,9 +94,7 @@ def fit_values(config: Mapping[str, Any], values: Mapping[str, torch.Tensor], to
     if steps < 0:
         raise ValueError(f"fit steps must be at least 0, got {steps}")
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         torch.manual_seed(seed)
         cfg = model_config(config)
         cfg._attn_implementation = "eager"
@@ -115,25 +106,10 @@ def fit_values(config: Mapping[str, Any], values: Mapping[str, torch.Tensor], to
             raise AssertionError(f"stand-in values miss model tensors {sorted(missing)[:5]}")
         blocks = corpus_blocks(tokenizer_dir, settings.seq_len)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-        order = torch.Generator().manual_seed(seed)
-        loss_before = _mean_loss(model, blocks, settings.eval_batch_size)
-        queue: list[int] = []
-        for step in range(steps):
-            if len(queue) < settings.batch_size:
-                queue += torch.randperm(blocks.shape[0], generator=order).tolist()
-            batch, queue = blocks[queue[: settings.batch_size]], queue[settings.batch_size:]
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr * _lr_factor(step, steps, settings.warmup_steps)
-            optimizer.zero_grad(set_to_none=True)
-            loss = _loss(model, batch)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-            optimizer.step()
-        loss_after = _mean_loss(model, blocks, settings.eval_batch_size)
+        loss_before = mean_loss(_loss, model, blocks, settings.eval_batch_size)
+        train(model, params, blocks, _loss, steps, seed, settings)
+        loss_after = mean_loss(_loss, model, blocks, settings.eval_batch_size)
         fitted = from_model_state(config, model.state_dict(), values)
-    finally:
-        torch.set_num_threads(threads)
     seconds = time.perf_counter() - start
     logger.info("fit: loss %.4f -> %.4f after %d steps, %.1f s", loss_before, loss_after, steps, seconds)
     return FitResult(values=fitted, loss_before=loss_before, loss_after=loss_after, seconds=seconds)

@@ -14,7 +14,7 @@ Writes what the public deepseek-ai/DeepSeek-V3 checkpoint holds, every size shru
   embeddings in the first, final norm and lm_head with the last decoder layer, each MTP layer in a file of its
   own, last, as in the real checkpoint) with a `model.safetensors.index.json`.
 - `generation_config.json`, and a byte-level BPE tokenizer trained offline on the embedded corpus (the
-  Kimi-K3 stand-in's builder, `kimi_k3.standin.tokenizer`: its [BOS] and [EOS] get ids 0 and 1, DeepSeek-V3's
+  Kimi-K3 stand-in's builder, `modelopt_ext.standin.tokenizer`: its [BOS] and [EOS] get ids 0 and 1, DeepSeek-V3's
   bos/eos ids; its chat markers are Kimi's, which Kimi-K2 uses and DeepSeek-V3 does not).
 
 Widths that are multiples of 128 in the real model are multiples of 128 here, so every FP8 block is whole
@@ -33,9 +33,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from modelopt_ext.models.kimi_k3.standin import tokenizer as tok
+from modelopt_ext.standin import tokenizer as tok
+from modelopt_ext.standin.files import prepare_out_dir, publish, staging_dir
 
 from .. import layout as L
 from ..config_check import config_problems
@@ -236,13 +235,6 @@ def write_shards(out: Path, config: Mapping[str, Any], state: Mapping[str, torch
     return names
 
 
-def _prepare_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise FileExistsError(f"{out_dir} is not empty; pass --force to replace its contents")
-
-
 def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes | Mapping[str, int] | None = None,
               force: bool = False, fit_steps: int = 0) -> Path:
     """Write the stand-in checkpoint into `out_dir` (built in a temporary sibling, then moved in place).
@@ -257,12 +249,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes | Mapping[str
     if not isinstance(fit_steps, int) or fit_steps < 0:
         raise ValueError(f"fit_steps={fit_steps!r} must be an int, at least 0")
     out_dir = Path(out_dir).resolve()
-    _prepare_out_dir(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint should read like any other folder
+    prepare_out_dir(out_dir, force)
+    tmp = staging_dir(out_dir)
     try:
         special_ids = tok.write_tokenizer(tmp, sizes.vocab_size)
         config = build_config(sizes, special_ids)
@@ -278,11 +266,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes | Mapping[str
 
             values = fit_values(config, values, tmp, fit_steps, seed).values
         write_shards(tmp, config, pack_state_dict(config, values))
-        for f in tmp.iterdir():  # safetensors writes its files 0600
-            os.chmod(f, 0o666 & ~umask)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

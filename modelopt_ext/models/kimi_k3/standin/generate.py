@@ -21,10 +21,8 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,8 +31,9 @@ import torch
 from safetensors.torch import save_file
 
 from modelopt_ext.formats.mxfp4 import GROUP_SIZE, quantize_mxfp4
+from modelopt_ext.standin import tokenizer as tok
+from modelopt_ext.standin.files import prepare_out_dir, publish, staging_dir
 
-from . import tokenizer as tok
 from .configuration_kimi_k3 import KimiK3Config
 from .modeling_kimi_k3 import KimiK3ForConditionalGeneration
 
@@ -343,13 +342,6 @@ def write_shards(out: Path, state: dict[str, torch.Tensor], num_layers: int, lay
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _prepare_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise FileExistsError(f"{out_dir} is not empty; pass --force to replace its contents")
-
-
 def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes(), force: bool = False,
               fit_steps: int = 0, *, text_overrides: Mapping[str, Any] | None = None, workers: int = 1,
               quantize_device: str | torch.device | None = None) -> Path:
@@ -371,12 +363,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes()
     if fit_steps < 0:
         raise ValueError(f"fit_steps={fit_steps} must be at least 0")
     out_dir = Path(out_dir).resolve()  # "." or "x/.." must not make the temp dir live inside the target
-    _prepare_out_dir(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint should read like any other folder
+    prepare_out_dir(out_dir, force)
+    tmp = staging_dir(out_dir)
     try:
         special_ids = tok.write_tokenizer(tmp, sizes.vocab_size)
         config = build_config(sizes, special_ids, text_overrides)
@@ -398,9 +386,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, sizes: TinySizes = TinySizes()
 
             values = fit_values(config, values, tmp, fit_steps, seed).values
         write_shards(tmp, pack_state_dict(values, workers, quantize_device), sizes.num_layers)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

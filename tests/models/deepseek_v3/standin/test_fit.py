@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from modelopt_ext.models.deepseek_v3.fp8 import exact_block_dequantize
 from modelopt_ext.models.deepseek_v3.standin import fit
 from modelopt_ext.models.deepseek_v3.standin.generate import TinySizes, build_config, initial_values, make_tiny
-from modelopt_ext.models.kimi_k3.standin.fit import corpus_blocks
+from modelopt_ext.standin.fit import corpus_blocks
 
 SIZES = {"num_layers": 2, "num_experts": 8, "n_group": 2, "topk_group": 1, "top_k": 2, "hidden_size": 128,
          "intermediate_size": 256, "moe_intermediate_size": 128}

@@ -18,8 +18,8 @@ from safetensors import safe_open
 
 from modelopt_ext.cli import main
 from modelopt_ext.models.kimi_k3.standin import fit, generate
-from modelopt_ext.models.kimi_k3.standin import tokenizer as tok
 from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
+from modelopt_ext.standin import tokenizer as tok
 
 ROOT = Path(__file__).resolve().parents[4]
 # one KDA dense layer and one MLA MoE layer

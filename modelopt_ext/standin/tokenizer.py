@@ -1,4 +1,5 @@
-"""Small, deterministic byte-level BPE tokenizer for the Kimi-K3 random-weight stand-in.
+"""Small, deterministic byte-level BPE tokenizer for the random-weight stand-ins (Kimi-K3's, and DeepSeek-V3's,
+whose [BOS]/[EOS] ids 0 and 1 match DeepSeek-V3's).
 
 The real Kimi-K3 tokenizer is large and lives on the Hub; tests and tiny stand-in checkpoints only
 need something that behaves like it: byte-level (so any text round-trips), carrying the same chat and

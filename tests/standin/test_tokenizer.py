@@ -13,8 +13,8 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from modelopt_ext.models.kimi_k3.standin import tokenizer as standin_tokenizer
-from modelopt_ext.models.kimi_k3.standin.tokenizer import (
+from modelopt_ext.standin import tokenizer as standin_tokenizer
+from modelopt_ext.standin.tokenizer import (
     MIN_VOCAB_SIZE,
     SPECIAL_TOKENS,
     build_tokenizer,
@@ -22,7 +22,7 @@ from modelopt_ext.models.kimi_k3.standin.tokenizer import (
 )
 
 VOCAB_SIZE = 512
-REPO_ROOT = pathlib.Path(standin_tokenizer.__file__).resolve().parents[4]
+REPO_ROOT = pathlib.Path(standin_tokenizer.__file__).resolve().parents[2]
 ROUND_TRIP_TEXTS = [
     "Hello, world!",
     "naïve café — 東京 🚀",
@@ -65,7 +65,7 @@ def test_write_twice_is_byte_identical(tmp_path: pathlib.Path) -> None:
 def test_byte_identical_across_processes(tmp_path: pathlib.Path, tok_dir: pathlib.Path) -> None:
     script = (
         "import pathlib, sys\n"
-        "from modelopt_ext.models.kimi_k3.standin.tokenizer import write_tokenizer\n"
+        "from modelopt_ext.standin.tokenizer import write_tokenizer\n"
         "write_tokenizer(pathlib.Path(sys.argv[1]), int(sys.argv[2]))\n"
     )
     outputs = []
