@@ -20,9 +20,9 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The default tiny Kimi-K3 stand-in (seed 0)."""
-    from modelopt_ext.testing.checkpoints import tiny_kimi_k3
+    from modelopt_ext.testing.checkpoints import tiny_checkpoint
 
-    return tiny_kimi_k3(tmp_path_factory.mktemp("ckpt"))
+    return tiny_checkpoint("kimi_k3", tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +30,9 @@ def fitted_ckpt(tmp_path_factory):
     """The stand-in fitted to the embedded corpus for 20 steps (`make-tiny --fit 20`, about 20 s on 2 cores):
     its routing and activations are those of a trained model, not of random weights, so quality numbers
     measured on it mean something (docs/standin.md)."""
-    from modelopt_ext.testing.checkpoints import tiny_kimi_k3
+    from modelopt_ext.testing.checkpoints import tiny_checkpoint
 
-    return tiny_kimi_k3(tmp_path_factory.mktemp("fitted"), fit_steps=20)
+    return tiny_checkpoint("kimi_k3", tmp_path_factory.mktemp("fitted"), fit_steps=20)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_ext.testing.checkpoints import copy_checkpoint, tiny_kimi_k3
+from modelopt_ext.testing.checkpoints import copy_checkpoint, tiny_checkpoint
 from modelopt_ext.testing.nodes import launch_nodes, node_env
 
 FAST = "--experts-implementation batched_mm --dtype float32 --calib-size 8 --batch-size 2 --seq-len 16".split()
@@ -57,7 +57,7 @@ def test_node_local_copies_that_differ_fail_every_rank_before_loading(tiny_ckpt,
         (stale / "config.json").write_text(json.dumps(config, indent=2))
         file = "config.json"
     else:
-        other = tiny_kimi_k3(tmp_path / "seed1", seed=1)
+        other = tiny_checkpoint("kimi_k3", tmp_path / "seed1", seed=1)
         file = "model-00001-of-00003.safetensors"  # the first in name order; every shard differs
         for shard in sorted(other.glob("*.safetensors")):
             assert shard.stat().st_size == (stale / shard.name).stat().st_size

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import json
+from collections.abc import Mapping
 from pathlib import Path
 
-from modelopt_ext.models.kimi_k3.standin.generate import TinySizes, make_tiny
+
+def _generator(family: str):
+    """The family's stand-in generator (`FamilySpec.make_tiny`)."""
+    from modelopt_ext.families import families
+
+    spec = families()[family]
+    if spec.make_tiny is None:
+        raise ValueError(f"family {family!r} has no stand-in generator")
+    return spec.make_tiny
 
 
-def tiny_kimi_k3(root: Path, seed: int = 0, sizes: TinySizes = TinySizes(), fit_steps: int = 0) -> Path:
-    """Path of a stand-in generated under `root` for (seed, sizes, fit_steps); generated on first use. With
-    `fit_steps` the weights are fitted to the embedded corpus first (`make-tiny --fit`)."""
-    digest = hashlib.sha256(repr(dataclasses.astuple(sizes)).encode()).hexdigest()[:10]
-    out = Path(root) / f"kimi_k3-seed{seed}-{digest}{f'-fit{fit_steps}' if fit_steps else ''}"
+def tiny_checkpoint(family: str, root: Path, seed: int = 0, sizes: Mapping[str, int] | None = None,
+                    fit_steps: int = 0) -> Path:
+    """Path of `family`'s stand-in generated under `root` for (seed, sizes, fit_steps); generated on first use.
+    `sizes` overrides fields of the family's default sizes; with `fit_steps` the weights are fitted to the
+    embedded corpus first (`make-tiny --fit`)."""
+    sizes = dict(sizes or {})
+    digest = hashlib.sha256(json.dumps(sizes, sort_keys=True).encode()).hexdigest()[:10]
+    out = Path(root) / f"{family}-seed{seed}-{digest}{f'-fit{fit_steps}' if fit_steps else ''}"
     if not (out / "config.json").exists():
-        make_tiny(out, seed=seed, sizes=sizes, force=True, fit_steps=fit_steps)
+        _generator(family)(out, seed=seed, sizes=sizes, force=True, fit_steps=fit_steps)
     return out
 
 

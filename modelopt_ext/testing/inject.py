@@ -31,12 +31,12 @@ def _fault(kind: str, phase: str) -> None:
 
 def install(kind: str, phase: str) -> None:
     if phase == "load":
-        import modelopt_ext.models.kimi_k3.adapter as adapter
+        import modelopt_ext.loader as loader
 
-        def prepare_load(*args, **kwargs):
+        def load(*args, **kwargs):  # the generic loader, inside the load's collective step (`loading`)
             _fault(kind, phase)
 
-        adapter.prepare_load = prepare_load
+        loader.load = load
     elif phase == "calibrate":
         import modelopt_ext.quant.calibrate as calibrate
 

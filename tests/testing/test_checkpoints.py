@@ -7,9 +7,8 @@ import types
 
 import pytest
 
-from modelopt_ext.models.kimi_k3.standin.generate import TinySizes
 from modelopt_ext.testing import checkpoints
-from modelopt_ext.testing.checkpoints import copy_checkpoint, remote_module, tiny_kimi_k3
+from modelopt_ext.testing.checkpoints import copy_checkpoint, remote_module, tiny_checkpoint
 
 
 @pytest.fixture
@@ -23,37 +22,51 @@ def generated(monkeypatch):
         (out / "config.json").write_text("{}")
         return out
 
-    monkeypatch.setattr(checkpoints, "make_tiny", make_tiny)
+    monkeypatch.setattr(checkpoints, "_generator", lambda family: calls.append(family) or make_tiny)
     return calls
 
 
 def test_generated_once_then_reused(tmp_path, generated):
-    path = tiny_kimi_k3(tmp_path)
+    path = tiny_checkpoint("kimi_k3", tmp_path)
     assert re.fullmatch(r"kimi_k3-seed0-[0-9a-f]{10}", path.name) and path.parent == tmp_path
-    assert generated == [{"out": path, "seed": 0, "sizes": TinySizes(), "force": True, "fit_steps": 0}]
-    assert tiny_kimi_k3(tmp_path) == path and tiny_kimi_k3(tmp_path, sizes=TinySizes(num_layers=6)) == path
-    assert len(generated) == 1  # equal sizes: the same checkpoint, not generated again
+    assert generated == ["kimi_k3", {"out": path, "seed": 0, "sizes": {}, "force": True, "fit_steps": 0}]
+    assert tiny_checkpoint("kimi_k3", tmp_path) == path and len(generated) == 2  # not generated again
 
 
-def test_each_seed_size_and_fit_gets_its_own_checkpoint(tmp_path, generated):
-    paths = [tiny_kimi_k3(tmp_path), tiny_kimi_k3(tmp_path, seed=1), tiny_kimi_k3(tmp_path, sizes=TinySizes(num_experts=8)),
-             tiny_kimi_k3(tmp_path, sizes=TinySizes(latent_size=32)), tiny_kimi_k3(tmp_path, fit_steps=20)]
-    assert len(set(paths)) == 5 and len(generated) == 5
+def test_each_family_seed_size_and_fit_gets_its_own_checkpoint(tmp_path, generated):
+    paths = [tiny_checkpoint("kimi_k3", tmp_path), tiny_checkpoint("kimi_k3", tmp_path, seed=1),
+             tiny_checkpoint("kimi_k3", tmp_path, sizes={"num_experts": 8}),
+             tiny_checkpoint("kimi_k3", tmp_path, sizes={"latent_size": 32}),
+             tiny_checkpoint("kimi_k3", tmp_path, fit_steps=20), tiny_checkpoint("deepseek_v3", tmp_path)]
+    assert len(set(paths)) == 6 and len(generated) == 12
     assert paths[1].name.startswith("kimi_k3-seed1-") and paths[4].name == paths[0].name + "-fit20"
-    assert generated[4]["fit_steps"] == 20 and generated[2]["sizes"].num_experts == 8
+    assert paths[5].name.startswith("deepseek_v3-seed0-")
+    assert generated[9]["fit_steps"] == 20 and generated[5]["sizes"] == {"num_experts": 8}
 
 
 def test_an_unfinished_checkpoint_is_generated_again(tmp_path, generated):
-    path = tiny_kimi_k3(tmp_path)
+    path = tiny_checkpoint("kimi_k3", tmp_path)
     (path / "config.json").unlink()  # a generation that stopped before its config was written
-    assert tiny_kimi_k3(tmp_path) == path and len(generated) == 2
+    assert tiny_checkpoint("kimi_k3", tmp_path) == path and len(generated) == 4
 
 
 def test_the_session_checkpoint_is_a_real_stand_in(tiny_ckpt, monkeypatch):
-    monkeypatch.setattr(checkpoints, "make_tiny", lambda *a, **k: pytest.fail("regenerated an existing checkpoint"))
-    assert tiny_kimi_k3(tiny_ckpt.parent) == tiny_ckpt
+    monkeypatch.setattr(checkpoints, "_generator", lambda family: pytest.fail("regenerated an existing checkpoint"))
+    assert tiny_checkpoint("kimi_k3", tiny_ckpt.parent) == tiny_ckpt
     for name in ("config.json", "model.safetensors.index.json", "configuration_kimi_k3.py", "tokenizer.json"):
         assert (tiny_ckpt / name).is_file(), name
+
+
+def test_a_family_without_a_generator_is_refused():
+    import dataclasses
+
+    from modelopt_ext.families import families
+
+    spec = dataclasses.replace(families()["kimi_k3"], make_tiny=None)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("modelopt_ext.families.families", lambda: {"kimi_k3": spec})
+        with pytest.raises(ValueError, match="family 'kimi_k3' has no stand-in generator"):
+            checkpoints._generator("kimi_k3")
 
 
 def test_copy_checkpoint_copies_every_file_and_refuses_an_existing_name(tmp_path):

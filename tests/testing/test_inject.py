@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import modelopt_ext.export.writer as writer
-import modelopt_ext.models.kimi_k3.adapter as adapter
+import modelopt_ext.loader as loader
 import modelopt_ext.quant.calibrate as calibrate
 from modelopt_ext.testing import inject
 
@@ -18,7 +18,7 @@ from modelopt_ext.testing import inject
 def restored(monkeypatch):
     """The three functions the phases replace, each put back after the test (and recording calls meanwhile)."""
     calls = []
-    monkeypatch.setattr(adapter, "prepare_load", lambda *a, **k: calls.append("prepare_load"))
+    monkeypatch.setattr(loader, "load", lambda *a, **k: calls.append("load"))
     monkeypatch.setattr(calibrate, "mark", lambda where: calls.append(where))
     monkeypatch.setattr(writer, "materialize", lambda modules: calls.append(list(modules)))
     return calls
@@ -27,7 +27,7 @@ def restored(monkeypatch):
 def test_raise_during_load(restored):
     inject.install("raise", "load")
     with pytest.raises(RuntimeError, match="^injected failure during load$"):
-        adapter.prepare_load("ckpt", trust_remote_code=True)
+        loader.load(lambda *a, **k: None, "ckpt", trust_remote_code=True)
     assert restored == []  # the real load never starts
 
 
@@ -54,7 +54,7 @@ def test_unknown_phase_and_kind(restored):
         inject.install("raise", "save")
     inject.install("explode", "load")
     with pytest.raises(ValueError, match="unknown fault kind 'explode'"):
-        adapter.prepare_load("ckpt")
+        loader.load(lambda *a, **k: None, "ckpt")
 
 
 def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -77,13 +77,13 @@ def test_main_installs_on_its_rank_only_then_runs_the_cli(restored, monkeypatch,
     with pytest.raises(SystemExit) as info:
         inject.main(["raise", "load", "1", "--", "--help"])
     assert info.value.code == 0 and "make-tiny" in capsys.readouterr().out
-    adapter.prepare_load("ckpt")
-    assert restored == ["prepare_load"]  # rank 0: nothing installed
+    loader.load(lambda *a, **k: None, "ckpt")
+    assert restored == ["load"]  # rank 0: nothing installed
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit):
         inject.main(["raise", "load", "1", "--", "--help"])
     with pytest.raises(RuntimeError, match="injected failure during load"):
-        adapter.prepare_load("ckpt")
+        loader.load(lambda *a, **k: None, "ckpt")
 
 
 def test_main_needs_the_separator():

@@ -7,7 +7,7 @@ from transformers.cache_utils import Cache
 from modelopt_ext.models.kimi_k3.cache import MIN_CAPACITY, KimiHybridCache
 from modelopt_ext.models.kimi_k3.standin import configuration_kimi_k3 as ck
 from modelopt_ext.models.kimi_k3.standin import modeling_kimi_linear as mkl
-from modelopt_ext.testing.configs import tiny_text_config
+from modelopt_ext.models.kimi_k3.standin.configs import tiny_text_config
 
 B, H, DK, DV = 2, 3, 5, 4
 

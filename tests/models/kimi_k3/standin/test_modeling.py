@@ -11,9 +11,9 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from modelopt_ext.formats.mxfp4 import dequantize_mxfp4
 from modelopt_ext.models.kimi_k3.standin import modeling_kimi_linear as mkl
+from modelopt_ext.models.kimi_k3.standin.configs import tiny_text_config
 from modelopt_ext.models.kimi_k3.standin.inputs import synthetic_image, text_image_inputs
 from modelopt_ext.models.kimi_k3.standin.smoke import load_unpatched
-from modelopt_ext.testing.configs import tiny_text_config
 
 
 @pytest.fixture(scope="module")

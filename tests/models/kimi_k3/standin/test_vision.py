@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from modelopt_ext.models.kimi_k3.standin import modeling_kimi_k3 as mk3
+from modelopt_ext.models.kimi_k3.standin.configs import tiny_text_config
 from modelopt_ext.models.kimi_k3.standin.configuration_kimi_k3 import (
     KimiK3Config,
     KimiK3VisionConfig,
     KimiLinearConfig,
 )
 from modelopt_ext.models.kimi_k3.standin.inputs import image_to_patches, synthetic_image
-from modelopt_ext.testing.configs import tiny_text_config
 
 IMAGE_ID = 5
 TINY_VISION = dict(

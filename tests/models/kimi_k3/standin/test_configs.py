@@ -1,10 +1,10 @@
-"""modelopt_ext.testing.configs: the small Kimi-K3 text config for unit tests that build modules directly."""
+"""modelopt_ext.models.kimi_k3.standin.configs: the small Kimi-K3 text config for unit tests that build modules directly."""
 
 import torch
 
 from modelopt_ext.models.kimi_k3.standin import modeling_kimi_linear as mkl
+from modelopt_ext.models.kimi_k3.standin.configs import tiny_text_config
 from modelopt_ext.models.kimi_k3.standin.configuration_kimi_k3 import KimiLinearConfig
-from modelopt_ext.testing.configs import tiny_text_config
 
 
 def test_the_documented_shape():
