@@ -149,7 +149,17 @@ def local_expert_params(model: nn.Module):
     `weight[idx]` for idx < num_experts; on the DTensor that is global expert idx, not local expert idx, so a
     rank > 0's per-expert weight amax would mix another rank's expert in. The local tensors share storage with the
     DTensors, so writes in place (a folded weight) stay; a parameter the body replaces is wrapped back as a DTensor
-    with the original's placements."""
+    with the original's placements.
+
+    A model with FSDP-sharded modules is left as it is (yields 0): FSDP keeps its own references to the parameters
+    it manages and its lazy initialization and resharding expect them as they were. No family needs both: DeepSeek-V3's
+    FP8 checkpoints refuse FSDP dense layers, and Kimi-K3's exports were byte-identical across EP degrees without this
+    (tests/export/test_writer.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        yield 0
+        return
     swapped = []
     for module in model.modules():
         if not getattr(module, "_is_expert_parallel", False):

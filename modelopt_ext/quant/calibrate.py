@@ -159,8 +159,9 @@ def calibrate(
     first item).
 
     Under expert parallelism (experts modules sharded by `ep_dispatch_experts`): ModelOpt converts the model and
-    calibrates the weights with the experts' sharded parameters presented as this rank's local tensors
-    (`ep.sharding.local_expert_params`: its per-expert weight quantizers are local experts, indexed locally), and
+    calibrates the weights (before the forward loop) with the experts' sharded parameters presented as this rank's
+    local tensors (`ep.sharding.local_expert_params`: its per-expert weight quantizers are local experts, indexed
+    locally; the DTensors are back before the first forward, which FSDP's lazy initialization needs), and
     after the conversion, which binds the quantized class forward on the experts modules, their dispatching forward
     is put back (`ep.backend.restore_ep_forwards`) for MoE blocks that call `self.experts(...)` with global ids."""
     import_modelopt()  # done by this package's import already; makes sure ModelOpt leaves no temp files
@@ -189,8 +190,12 @@ def calibrate(
     # stays on through a weight search's own forward pass (local_hessian), which coverage does not count
     with routing:
         marks = [("start", time.perf_counter())]  # (part that ended, when)
+        # the experts' local tensors while ModelOpt converts and calibrates the weights (before the forward loop);
+        # the DTensors back for the forwards, which take them themselves (FSDP's first forward needs them)
+        local_params = contextlib.ExitStack()
 
         def forward_loop(m):
+            local_params.close()
             restore_ep_forwards(m)  # after ModelOpt's conversion, before the first forward
             marks.append(("convert", time.perf_counter()))
             profiler = BatchProfiler.from_env(dist.get_rank() if dist.is_initialized() else 0)
@@ -211,7 +216,8 @@ def calibrate(
 
         with record_expert_coverage(model, router_glob, num_experts, router_ids) as coverage:
             with (_integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks(),
-                  local_expert_params(model)):
+                  local_params):
+                local_params.enter_context(local_expert_params(model))
                 model = mtq.quantize(model, cfg, forward_loop)
             restore_ep_forwards(model)  # also where ModelOpt ran no forward loop
             marks.append(("finish", time.perf_counter()))
