@@ -106,6 +106,11 @@ class PredictionSpec:
     dense_export_bytes: Callable[[Mapping[str, Any], str], Mapping[str, Any]]
 
 
+def first_item(output):
+    """A router output's first item: where a router returning (topk_ids, weights) keeps its expert ids."""
+    return output[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """Everything modelopt_ext knows about one model family.
@@ -170,7 +175,7 @@ class FamilySpec:
     serving: ServingSpec | None = None
     prediction: PredictionSpec | None = None
     ptq_refused: str | None = None
-    router_ids: Callable[[Any], Any] = dataclasses.field(default=lambda output: output[0])
+    router_ids: Callable[[Any], Any] = first_item
 
     def __post_init__(self):
         object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))

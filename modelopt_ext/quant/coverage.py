@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from modelopt_ext.ep.dispatch import count_ids
+from modelopt_ext.families import first_item
 
 
 @dataclasses.dataclass
@@ -87,10 +88,6 @@ class Coverage:
         _write_png(Path(path), width=len(rows[0]) * cell, height=len(pixels), rows=pixels)
 
 
-def _first_item(output):
-    return output[0]
-
-
 def _layer_order(name: str):
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
@@ -116,7 +113,7 @@ def record_expert_coverage(model: torch.nn.Module, router_glob: str, num_experts
         router_ids: `router_ids(router_output)` -> its top-k global expert ids [T, K] (the family's
             `FamilySpec.router_ids`); default: the output's first item, for routers returning (topk_ids, weights).
     """
-    ids_of = _first_item if router_ids is None else router_ids
+    ids_of = first_item if router_ids is None else router_ids
     coverage = Coverage(num_experts)
 
     def hook(mod, inputs, output, name):
