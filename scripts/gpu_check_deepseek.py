@@ -4,7 +4,7 @@
 
 1. make-tiny deepseek_v3 (sizes from the flags; FP8 128x128 blocks, MTP layer) in a temporary folder;
 2. `modelopt_ext.from_pretrained(..., device_map="cuda")` in bf16: on CUDA the family's prepare asks
-   transformers to dequantize the FP8 blocks (exactly: `models/deepseek_v3/fp8.py`) and not to fetch hub kernels
+   transformers to dequantize the FP8 blocks (exactly: `formats/fp8_block.py`) and not to fetch hub kernels
    (`use_kernels=False`; the machine is offline); every dequantized weight must equal the CPU load's bit for bit;
 3. logits on the GPU against the fp32 CPU load (max |gpu - cpu| / max |cpu|): checked for an fp32 load on the
    GPU, reported for the bf16 one;

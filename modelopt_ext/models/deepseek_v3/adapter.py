@@ -6,8 +6,8 @@ How the load differs from a plain `from_pretrained`:
 - the config is `DeepseekV3Config` built from config.json's mapping (not `AutoConfig`, which wants Kimi-K2's
   remote code for model_type `kimi_k2`); it keeps the checkpoint's model_type;
 - an FP8 checkpoint is loaded with `FineGrainedFP8Config(dequantize=True)` (ModelOpt then sees bf16 `nn.Linear`s
-  and fused bf16 experts, on the CPU and on GPUs alike), inside `fp8.exact_block_dequantize()` (transformers 5.25
-  mis-scales partial 128x128 blocks: `fp8.py`), with `use_kernels=False` unless the caller says otherwise
+  and fused bf16 experts, on the CPU and on GPUs alike), inside `formats.fp8_block.exact_block_dequantize()`
+  (transformers 5.25 mis-scales partial 128x128 blocks there), with `use_kernels=False` unless the caller says otherwise
   (transformers would fetch hub kernels for the RMSNorm on CUDA; there is no network);
 - for model_type `kimi_k2`, which transformers' conversion mapping does not know, transformers' `deepseek_v3`
   mapping (the per-expert tensors merged into `gate_up_proj` / `down_proj`) is registered for the load only
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from modelopt_ext.families import read_config
+from modelopt_ext.formats.fp8_block import exact_block_dequantize
 from modelopt_ext.loader import CheckpointError, PreparedLoad, WarmupHooks
 from modelopt_ext.versions import check_min_versions
 
 from .config_check import check_config
-from .fp8 import exact_block_dequantize
 from .pinned import EP_PLAN, EXPERTS_GLOB, MIN_VERSIONS
 from .warmup import build_warmup_model, warmup_bytes, warmup_input_ids
 

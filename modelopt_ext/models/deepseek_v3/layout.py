@@ -16,7 +16,7 @@ moonshotai/Kimi-K2-Instruct: 139,644 tensors, 1,026,470,731,056 elements; both r
   `mlp.shared_experts.{gate,up,down}_proj` (moe_intermediate_size x n_shared_experts), the router
   `mlp.gate.weight` [experts, hidden] bf16 and `mlp.gate.e_score_correction_bias` [experts] float32.
 - every Linear above is FP8 (`weight` float8_e4m3fn and `weight_scale_inv` float32 [ceil(out/128),
-  ceil(in/128)], `fp8.py`); without a quantization_config they are bf16 and have no scales.
+  ceil(in/128)], `modelopt_ext/formats/fp8_block.py`); without a quantization_config they are bf16 and have no scales.
 - multi-token prediction (`num_nextn_predict_layers` layers after the last decoder layer, DeepSeek-V3 has
   one: `model.layers.61.`): a full MoE decoder layer as above plus `embed_tokens.weight` and
   `shared_head.head.weight` [vocab, hidden] (copies of the main ones), `enorm`, `hnorm`, `shared_head.norm`
@@ -33,7 +33,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .fp8 import scale_shape
+from modelopt_ext.formats.fp8_block import scale_shape
 
 FP8, BF16, FP32 = "float8_e4m3fn", "bfloat16", "float32"
 BYTES = {FP8: 1, BF16: 2, FP32: 4}

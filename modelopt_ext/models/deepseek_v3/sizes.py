@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .fp8 import BLOCK, ceil_div
+from modelopt_ext.formats.fp8_block import BLOCK, ceil_div
 
 BUNDLED_CONFIG = Path(__file__).with_name("deepseek_v3_config.json")
 KIMI_K2_CONFIG = Path(__file__).with_name("kimi_k2_config.json")

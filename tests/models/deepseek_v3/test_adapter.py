@@ -80,7 +80,7 @@ _DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F32": torch.
 def _plain_transformers(ckpt: Path, **kwargs):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from modelopt_ext.models.deepseek_v3.fp8 import exact_block_dequantize
+    from modelopt_ext.formats.fp8_block import exact_block_dequantize
 
     config = DeepseekV3Config.from_dict(json.loads((ckpt / "config.json").read_text()))
     with exact_block_dequantize():
@@ -133,7 +133,7 @@ def test_partial_fp8_blocks_are_exact(ds_tiny, ds_fp32):
     """kv_a_proj_with_mqa [192, 256] has a 64-row partial block: the loaded weight is fp8 x its block's scale."""
     from safetensors import safe_open
 
-    from modelopt_ext.models.deepseek_v3.fp8 import dequantize_blocks
+    from modelopt_ext.formats.fp8_block import dequantize_blocks
 
     key = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
     index = json.loads((ds_tiny / "model.safetensors.index.json").read_text())["weight_map"]

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from modelopt_ext.formats.fp8_block import BLOCK, quantize_blocks
 from modelopt_ext.standin import tokenizer as tok
 from modelopt_ext.standin.files import prepare_out_dir, publish, staging_dir
 
 from .. import layout as L
 from ..config_check import config_problems
-from ..fp8 import BLOCK, quantize_blocks
 from ..sizes import BUNDLED_CONFIG
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from modelopt_ext.models.deepseek_v3.fp8 import exact_block_dequantize
+from modelopt_ext.formats.fp8_block import exact_block_dequantize
 from modelopt_ext.models.deepseek_v3.standin import fit
 from modelopt_ext.models.deepseek_v3.standin.generate import TinySizes, build_config, initial_values, make_tiny
 from modelopt_ext.standin.fit import corpus_blocks

@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
 
+from modelopt_ext.formats.fp8_block import BLOCK, dequantize_blocks, exact_block_dequantize
 from modelopt_ext.models.deepseek_v3 import layout as L
 from modelopt_ext.models.deepseek_v3.config_check import FP8_QUANTIZATION
-from modelopt_ext.models.deepseek_v3.fp8 import BLOCK, dequantize_blocks, exact_block_dequantize
 from modelopt_ext.models.deepseek_v3.sizes import BUNDLED_CONFIG
 from modelopt_ext.models.deepseek_v3.standin.generate import make_tiny, size_fields
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's 128x128-block FP8 format (modelopt_ext.models.deepseek_v3.fp8), and the partial-block bug of
+"""DeepSeek-V3's 128x128-block FP8 format (modelopt_ext.formats.fp8_block), and the partial-block bug of
 transformers 5.25's CPU dequantization that `exact_block_dequantize` fixes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.utils.quantization_config import FineGrainedFP8Config
 
-from modelopt_ext.models.deepseek_v3 import fp8
+from modelopt_ext.formats import fp8_block as fp8
 
 
 def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:

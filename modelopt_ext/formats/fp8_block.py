@@ -1,4 +1,5 @@
-"""DeepSeek-V3's FP8 weight format: E4M3 weights with one float32 dequantization scale per 128x128 block.
+"""The 128x128-block FP8 weight format (DeepSeek-V3, Kimi-K2; transformers' FineGrainedFP8 `quant_method: fp8`
+with `weight_block_size`): E4M3 weights with one float32 dequantization scale per 128x128 block.
 
 The checkpoint stores every FP8 Linear as `<module>.weight` (float8_e4m3fn, [out, in]) and
 `<module>.weight_scale_inv` (float32, [ceil(out/128), ceil(in/128)]); the bf16 weight is the block's FP8
