@@ -305,8 +305,9 @@ def _add_ptq(sub) -> None:
     p.add_argument("--summary-json", default=None, metavar="PATH", help="also write the summary as JSON (rank 0)")
     p.add_argument(
         "--engine", metavar="NAME[,NAME]", type=_engine_names, action="append", default=None,
-        help=f"serving engines the export must load in ({', '.join(SERVING_ENGINES)}, all; default all): their "
-        "rules run on the export at the end, and a failed one makes ptq exit non-zero (the export stays)",
+        help=f"serving engines the export must load in ({', '.join(SERVING_ENGINES)}, all; default: those the "
+        "family names for the recipe, else all): their rules run on the export at the end, and a failed one makes "
+        "ptq exit non-zero (the export stays)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-warmup", action="store_true",

@@ -36,6 +36,8 @@ class ServingSpec:
             quantization config (`export.engine_names.EngineView`); None: not known (the rule then fails, saying so).
         sources: (engine, rule) -> the engine's model files a rule comes from, beside its generic loader's
             (`export.engine_names.SOURCES`).
+        recipe_engines: shipped recipe name -> the engines its export is for, where not every engine loads it
+            (what `ptq` checks without `--engine`; default: all).
     """
 
     engines: tuple[str, ...]
@@ -48,6 +50,7 @@ class ServingSpec:
     sglang_key: Callable[[str], str] = str
     trtllm_names: Callable[..., list[str]] | None = None
     sources: Mapping[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    recipe_engines: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,11 @@ def first_item(output):
     return output[0]
 
 
+def no_carried_layers(config) -> tuple[str, ...]:
+    """A family whose model builds every layer of its checkpoint: nothing for the export to carry over."""
+    return ()
+
+
 @dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """Everything modelopt_ext knows about one model family.
@@ -152,6 +160,9 @@ class FamilySpec:
             loaded), or None where it runs.
         router_ids: `router_ids(router_output)` -> the top-k global expert ids [T, K] in the output of a router
             `router_glob` names (expert coverage, `quant.coverage`); default: its first item, (ids, weights).
+        carried_layers: `carried_layers(config_json_mapping)` -> tensor-name prefixes (ending in ".") of source
+            layers the model does not build that the export carries over unquantized and excluded from
+            quantization (DeepSeek-V3's multi-token-prediction layer; `export.source_fp8`); default: none.
     """
 
     name: str
@@ -176,6 +187,7 @@ class FamilySpec:
     prediction: PredictionSpec | None = None
     ptq_refused: str | None = None
     router_ids: Callable[[Any], Any] = first_item
+    carried_layers: Callable[[Mapping[str, Any]], tuple[str, ...]] = no_carried_layers
 
     def __post_init__(self):
         object.__setattr__(self, "export_expert_names", MappingProxyType(dict(self.export_expert_names)))

@@ -20,7 +20,9 @@ Phases, each timed, run on every rank in step:
   phase restores that state instead of running the forward passes.
 - export: `export_checkpoint`, with the expert coverage (coverage.json, coverage.png) added to the export.
 - engines: the serving engines' loading rules on the published export (`export.engines`, as `modelopt-ext
-  verify --engine`; `--engine` picks the engines, default all); a broken rule fails the run, the export stays.
+  verify --engine`; `--engine` picks the engines, default those the family's `ServingSpec.recipe_engines`
+  names for the recipe, else all); a broken
+  rule fails the run, the export stays.
   Once they pass, the saved calibration state is removed (kept when the export or the engines failed).
 - summary: per-rank figures gathered to every rank (`PtqSummary`, with a verdict per engine), logged on rank 0.
 
@@ -691,7 +693,8 @@ class _Run:
             return {}
         from modelopt_ext.export.engines import check_engines, engine_verdicts, format_results
 
-        engines = list(self.config.engines)
+        engines = list(self.config.engines) or list(
+            inputs.family.serving.recipe_engines.get(recipe_name(inputs.recipe.path), ("all",)))
 
         def check():
             if self.rank != 0:

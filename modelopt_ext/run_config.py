@@ -71,7 +71,7 @@ class PtqConfig:
     experts_per_file: int | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     summary_json: str | None = None
-    engines: tuple[str, ...] = ("all",)
+    engines: tuple[str, ...] = ()  # none: those the family names for the recipe (ServingSpec.recipe_engines), else all
     no_progress: bool = False
     no_warmup: bool = False
 
@@ -93,7 +93,7 @@ class PtqConfig:
                 raise ValueError(f"{flag(name)}: expected a sequence of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         unknown = [e for e in self.engines if e not in ENGINE_NAMES]
-        if unknown or not self.engines:
+        if unknown:
             raise ValueError(f"--engine {','.join(self.engines)}: expected names from {', '.join(ENGINE_NAMES)}")
         if not isinstance(self.experts_options, ExpertsOptions):
             raise ValueError(f"experts_options must be a modelopt_ext.options.ExpertsOptions, got "
@@ -126,7 +126,7 @@ class PtqConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in values.items() if k in fields}
         kwargs["overrides"] = tuple(values.get("set") or ())
-        kwargs["engines"] = tuple(e for names in (values.get("engine") or [["all"]]) for e in names)
+        kwargs["engines"] = tuple(e for names in (values.get("engine") or []) for e in names)
         kwargs["experts_options"] = ExpertsOptions.parse(values.get("experts_option") or ())
         return cls(**kwargs)
 

@@ -156,7 +156,8 @@ def _rule_names(exp: _Export, engine: str) -> tuple[list[str], list[str]]:
             return [f"how TensorRT-LLM's model code for family {exp.family.name!r} looks modules up is not known "
                     "(ServingSpec.trtllm_names)"], []
         quantized = [u for u in exp.quantized_units() if u not in exp.banks and not serving.never_quantized(u)]
-        return serving.trtllm_names({b: exp.format_of(b) for b in exp.banks}, view,
+        banks = [b for b in exp.banks if exp.format_of(b) != UNQUANTIZED]  # an unquantized bank: exclusions' rule
+        return serving.trtllm_names({b: exp.format_of(b) for b in banks}, view,
                                     {u: exp.format_of(u) for u in quantized}), []
     candidates = en.vllm_candidates if engine == "vllm" else en.sglang_candidates
 

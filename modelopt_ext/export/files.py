@@ -4,7 +4,9 @@ The layout does not depend on the number of ranks, so exports made at EP 1, 2, 4
 
 - file 1: everything outside the decoder layers (embeddings, final norm, lm_head, vision tower, projector);
 - per decoder layer: one file with the layer's dense tensors (attention, router, shared experts, norms),
-  then, for an MoE layer, one file per block of `experts_per_file` consecutive routed experts.
+  then, for an MoE layer, one file per block of `experts_per_file` consecutive routed experts;
+- last, where the source has layers the model does not build (`FamilySpec.carried_layers`, e.g. DeepSeek-V3's
+  multi-token-prediction layer), one file with their tensors.
 
 Files are named `model-{k:05d}-of-{N:05d}.safetensors` in that order. A block of experts is written by the
 rank holding them, so `experts_per_file` must divide the experts per rank; the default,
@@ -52,6 +54,7 @@ class ExportFiles:
     experts_suffix: str
     num_experts: int
     experts_per_file: int
+    carried: int = 0  # 1 where the export carries source layers the model does not build (the last file)
 
     @property
     def blocks(self) -> int:
@@ -59,13 +62,18 @@ class ExportFiles:
 
     @property
     def count(self) -> int:
-        return 1 + self.num_layers + len(self.moe_layers) * self.blocks
+        return 1 + self.num_layers + len(self.moe_layers) * self.blocks + self.carried
 
     def name(self, k: int) -> str:
         return f"model-{k:05d}-of-{self.count:05d}.safetensors"
 
     def rest_file(self) -> str:
         return self.name(1)
+
+    def carried_file(self) -> str:
+        if not self.carried:
+            raise ValueError("this export carries no source layers")
+        return self.name(self.count)
 
     def _layer_base(self, layer: int) -> int:
         """1-based number of layer `layer`'s dense file."""
@@ -81,7 +89,8 @@ class ExportFiles:
         return self.name(self._layer_base(layer) + 1 + expert // self.experts_per_file)
 
     def dense_writer(self, layer: int | None, world_size: int) -> int:
-        """The rank writing layer `layer`'s dense file (None: the file of everything outside the layers)."""
+        """The rank writing layer `layer`'s dense file (None: the file of everything outside the layers;
+        `num_layers`: the carried layers' file)."""
         return 0 if layer is None else (layer + 1) % world_size
 
     def file_of(self, key: str) -> str:
@@ -90,6 +99,8 @@ class ExportFiles:
         if m is None:
             return self.rest_file()
         layer, rest = int(m.group(1)), m.group(2)
+        if layer >= self.num_layers:
+            return self.carried_file()
         e = re.match(rf"^{re.escape(self.experts_suffix)}\.(\d+)\.", rest)
         return self.experts_file(layer, int(e.group(1))) if e else self.dense_file(layer)
 

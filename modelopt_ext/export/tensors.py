@@ -32,6 +32,16 @@ class _Tensors:
     def __init__(self, root: Path, files: Mapping[str, str], stack: ExitStack):
         self.root, self.files, self.stack, self.handles = root, files, stack, {}
 
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name of one tensor (its header only)."""
+        name = self.files[key]
+        try:
+            if name not in self.handles:
+                self.handles[name] = self.stack.enter_context(safe_open(str(self.root / name), framework="pt"))
+            return self.handles[name].get_slice(key).get_dtype()
+        except Exception as e:  # safetensors raises its own error types
+            raise _Unreadable(f"cannot read tensor {key} from {self.root / name}: {e}") from e
+
     def get(self, key: str) -> torch.Tensor:
         name = self.files[key]
         try:

@@ -79,6 +79,7 @@ from modelopt_ext.export.quant_layout import (
     _read_quant_spec,
 )
 from modelopt_ext.export.tensors import _Entry, _Tensors, _Unreadable
+from modelopt_ext.formats.fp8_block import dequantize_blocks
 from modelopt_ext.formats.mxfp4 import E2M1_VALUES, dequantize_mxfp4, unpack_e2m1
 
 __all__ = [
@@ -179,21 +180,31 @@ def source_name(export_key: str) -> str:
     return export_key
 
 
-def _source_keys(export_key: str, source_files: Mapping[str, str]) -> tuple[str, ...] | None:
-    """The source tensor of an export tensor: ``(name,)``, MXFP4 ``(packed, scale)``, or None."""
-    name = source_name(export_key)
-    if name in source_files:
-        return (name,)
-    packed, scale = f"{name}_packed", f"{name}_scale"
-    if name.endswith(".weight") and packed in source_files and scale in source_files:
-        return packed, scale
+def _source_keys(export_key: str, source_files: Mapping[str, str], src: _Tensors | None = None
+                 ) -> tuple[str, ...] | None:
+    """The source tensor of an export tensor (its own name, else the ``RENAMES`` one): ``(name,)``, MXFP4
+    ``(packed, scale)``, FP8 128x128 blocks ``(weight, weight_scale_inv)`` (an F8_E4M3 weight with its scales), or
+    None."""
+    for name in dict.fromkeys((export_key, source_name(export_key))):
+        scale_inv = f"{name}_scale_inv"
+        if name.endswith(".weight") and name in source_files and scale_inv in source_files and (
+                src is None or src.dtype(name) == "F8_E4M3"):
+            return name, scale_inv
+        if name in source_files:
+            return (name,)
+        packed, scale = f"{name}_packed", f"{name}_scale"
+        if name.endswith(".weight") and packed in source_files and scale in source_files:
+            return packed, scale
     return None
 
 
 def _load_source(keys: tuple[str, ...], src: _Tensors, dtype: torch.dtype) -> torch.Tensor:
-    """The source tensor; MXFP4 is dequantized to ``dtype``."""
+    """The source tensor; MXFP4 and FP8 blocks are dequantized to ``dtype`` (FP8 blocks as transformers does:
+    the float32 product, then cast)."""
     if len(keys) == 1:
         return src.get(keys[0])
+    if keys[1].endswith("_scale_inv"):
+        return dequantize_blocks(src.get(keys[0]), src.get(keys[1]), dtype)
     return dequantize_mxfp4(src.get(keys[0]), src.get(keys[1]), dtype)
 
 
@@ -215,9 +226,10 @@ def _compare_one(
             _check_bound(key, algo, group_size, exp, _load_source(keys, src, torch.float32), tolerance, stats, problems)
         return
     t = exp.get(key)
-    if len(keys) == 2 and not t.is_floating_point():
+    if len(keys) == 2 and (not t.is_floating_point() or t.element_size() == 1):
         problems.append(
-            f"{key} is {t.dtype} {list(t.shape)} without scales, but its source {keys[0]} is MXFP4: "
+            f"{key} is {t.dtype} {list(t.shape)} without scales, but its source {keys[0]} is "
+            f"{'FP8 blocks' if keys[1].endswith('_scale_inv') else 'MXFP4'}: "
             "an unquantized export of it must be a float tensor"
         )
         return
@@ -236,9 +248,10 @@ def _compare_with_source(
     for key in sorted(entries):
         if key.rpartition(".")[2] in WEIGHT_COMPANIONS + KV_SCALES:
             continue  # scales have no source counterpart; orphans were reported by the layout check
-        keys = _source_keys(key, src.files)
+        keys = _source_keys(key, src.files, src)
         if keys is None:
-            problems.append(f"export tensor {key} has no source tensor {source_name(key)} (plain or MXFP4)")
+            problems.append(f"export tensor {key} has no source tensor {source_name(key)} (plain, MXFP4 or FP8 "
+                            "blocks)")
             continue
         covered.update(keys)
         if key not in quantized and f"{key}_scale" in entries:

@@ -52,6 +52,7 @@ from modelopt_ext.export.layout import INDEX_NAME, read_header
 from modelopt_ext.export.manifest import _write_manifest, file_digests
 from modelopt_ext.export.materialize import expert_offset, materialize, release
 from modelopt_ext.export.serving import flat_quant_config, serving_quant_config
+from modelopt_ext.export.source import SourceTensors
 from modelopt_ext.export.staging import (
     copy_source_files,
     discard,
@@ -73,7 +74,7 @@ HASH_THREADS = 4  # threads hashing a rank's written files for the manifest (sha
 FLUSH_THREADS = 2  # threads flushing a rank's written files to the disk (fsync), beside the hashing
 __all__ = ["ExportDirError", "ExportResult", "check_export_dir", "export_checkpoint"]
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +98,15 @@ class ExportResult:
     # "copies" (of those, the device -> host copies), "write" (the writing thread serializing files), "hash"
     # and "fsync" (the hashing threads, summed over threads)
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    # FP8_PB_WO weights written as the source's own FP8 blocks (export/source.py), the FP8-block source modules
+    # whose ModelOpt output stayed, and the source layers carried over unquantized (FamilySpec.carried_layers)
+    fp8_exact: int = 0
+    fp8_requantized: tuple[str, ...] = ()
+    carried: tuple[str, ...] = ()
 
 
-def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None, plan) -> ExportFiles:
+def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | None, plan, carried: bool
+               ) -> ExportFiles:
     layers, _, suffix = experts_module_glob(family).partition(".*.")
     container = model.get_submodule(layers)
     moe = tuple(i for i, layer in enumerate(container) if _has_submodule(layer, suffix))
@@ -115,7 +122,7 @@ def _file_plan(model: nn.Module, family: FamilySpec, experts_per_file: int | Non
         plan.check_calibration_supported("export")
     ep_size = plan.ep_size if plan is not None else 1
     per_file = check_experts_per_file(local * ep_size, ep_size, experts_per_file)
-    return ExportFiles(layers, len(container), moe, suffix, local * ep_size, per_file)
+    return ExportFiles(layers, len(container), moe, suffix, local * ep_size, per_file, int(carried))
 
 
 def _experts_quantized(experts: nn.Module) -> bool:
@@ -142,19 +149,6 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-def _source_dtypes(source_dir: Path) -> dict[str, torch.dtype]:
-    """Floating-point dtype of every tensor of the source checkpoint (headers only)."""
-    problems: list[str] = []
-    dtypes = {}
-    for shard in sorted(source_dir.glob("*.safetensors")):
-        for key, entry in (read_header(shard, problems) or {}).items():
-            if entry.dtype in _SAFETENSORS_DTYPES:
-                dtypes[key] = _SAFETENSORS_DTYPES[entry.dtype]
-    if problems:
-        raise ValueError(f"source checkpoint {source_dir}: {'; '.join(problems)}")
-    return dtypes
 
 
 def _refuse_cross_module_formats(quant_config: dict) -> None:
@@ -191,8 +185,10 @@ class _UnitExporter:
     """Exports units one at a time on this rank (see the module doc, step 2)."""
 
     def __init__(self, model, files: ExportFiles, family: FamilySpec, api, dtype, quant_config, source_dtypes,
-                 staging: Path, rank: int, world: int, expert_inputs: str = "shared"):
+                 staging: Path, rank: int, world: int, expert_inputs: str = "shared",
+                 source_fp8: SourceTensors | None = None, carried: tuple[str, ...] = ()):
         self.model, self.files, self.api, self.dtype = model, files, api, dtype
+        self.source_fp8, self.carried = source_fp8, carried
         self.expert_inputs = expert_inputs
         self.kv_format = quant_config["quantization"].get("kv_cache_quant_algo")
         self.source_dtypes, self.staging, self.rank, self.world = source_dtypes, staging, rank, world
@@ -217,6 +213,8 @@ class _UnitExporter:
         self.requantized: list[str] = []
         self.inputs_own = 0
         self.inputs_shared: list[str] = []
+        self.fp8_exact = 0  # FP8_PB_WO weights written as the source's FP8 blocks
+        self.fp8_requantized: list[str] = []  # FP8-block source modules whose ModelOpt output stayed (shapes differ)
         self.timing = _Timing()
 
     def _exact_casts(self, modules, offsets: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -298,8 +296,40 @@ class _UnitExporter:
             file[key] = value.to(held.device)
         for file, content in sorted(tensors.items()):
             if self._writes(unit, file):
+                self._source_fp8_blocks(content)
                 self._save(file, content)
         release(m for _, m in unit.modules())
+
+    def _source_fp8_blocks(self, content: dict[str, torch.Tensor]) -> None:
+        """In one file's tensors: every FP8_PB_WO weight (F8_E4M3 `weight` with a `weight_scale`) of a module the
+        source stores as FP8 blocks replaced by the source's codes and scales (export/source_fp8.py)."""
+        if self.source_fp8 is None or not self.source_fp8.modules:
+            return
+        for key in sorted(content):
+            module, _, leaf = key.rpartition(".")
+            scale = content.get(f"{module}.weight_scale")
+            if leaf != "weight" or content[key].dtype != torch.float8_e4m3fn or scale is None:
+                continue
+            if module not in self.source_fp8.modules:
+                continue
+            exact = self.source_fp8.exact_fp8_block(module, content[key], scale)
+            if exact is None:
+                self.fp8_requantized.append(module)
+                continue
+            content[key] = exact[0].to(content[key].device)
+            content[f"{module}.weight_scale"] = exact[1].to(scale.device)
+            self.fp8_exact += 1
+
+    def export_carried(self) -> None:
+        """The source layers the model does not build (`FamilySpec.carried_layers`), into their own file, by the
+        rank `ExportFiles.dense_writer` names for it."""
+        if not self.files.carried or self.rank != self.files.dense_writer(self.files.num_layers, self.world):
+            return
+        start = time.perf_counter()
+        try:
+            self._save(self.files.carried_file(), self.source_fp8.carried(self.carried))
+        finally:
+            self.timing.add("units", time.perf_counter() - start)
 
     def _tensor(self, key: str, value: torch.Tensor, offsets: dict[str, int]):
         key, value = self.api.postprocess_tensor(key, value.detach(), KV_CACHE_MAX_BOUND, self.kv_format, False)
@@ -312,7 +342,7 @@ class _UnitExporter:
                 key = self.rename(key, offset)
                 break
         source = self.source_dtypes.get(key)
-        if source is not None and value.dtype in _SAFETENSORS_DTYPES.values() and value.dtype != source:
+        if source is not None and value.dtype in _FLOAT_DTYPES and value.dtype != source:
             value = value.to(source)  # an unquantized tensor of a model loaded in another precision
         return key, value
 
@@ -426,6 +456,16 @@ def _after(write: concurrent.futures.Future, timing: _Timing, part: str, fn, pat
     return _timed(timing, part, fn, path)
 
 
+def exclude_carried(quant_config: dict, carried: tuple[str, ...]) -> None:
+    """Add `<layer>*` to the quantization config's exclusions for each carried source layer prefix (`model.layers.61*`,
+    as NVIDIA's DeepSeek NVFP4 checkpoints exclude the MTP layer; TensorRT-LLM matches the layer's own name)."""
+    if not carried:
+        return
+    q = quant_config.setdefault("quantization", {})
+    excluded = list(q.get("exclude_modules") or [])
+    q["exclude_modules"] = excluded + [p for p in (c.rstrip(".") + "*" for c in carried) if p not in excluded]
+
+
 def _finalize(staging: Path, source: Checkpoint, files: ExportFiles, maps: list[dict[str, str]],
               quant_config: dict, modelopt_config: dict, api, write_extra,
               digests: dict[str, str]) -> tuple[int, int]:
@@ -499,19 +539,24 @@ def export_checkpoint(
     def plan_export():
         checkpoint = source or Checkpoint.read(source_dir)
         family, config = checkpoint.family, checkpoint.config_dict
-        files = _file_plan(model, family, experts_per_file, plan)
+        source_tensors = SourceTensors.read(checkpoint.path, config)
+        carried = tuple(p for p in family.carried_layers(config) if any(k.startswith(p) for k in source_tensors.files))
+        files = _file_plan(model, family, experts_per_file, plan, bool(carried))
         dtype = export_dtype(model, api)
         api.prepare_moe_inputs(model, dtype, False)
         api.sync_moe_gate_up(model)
         with fused_property_weights():
             modelopt_config = api.get_quant_config(model)
         _refuse_cross_module_formats(modelopt_config)
+        exclude_carried(modelopt_config, carried)
         quant_config = modelopt_config
         if family.serving is not None:  # as the serving engines parse it (export/serving.py)
             quant_config = serving_quant_config(modelopt_config, family.serving, config, _linear_modules(model, files))
-        return checkpoint, files, dtype, quant_config, modelopt_config, _source_dtypes(checkpoint.path)
+            exclude_carried(quant_config, carried)
+        return checkpoint, files, dtype, quant_config, modelopt_config, source_tensors, carried
 
-    source, files, dtype, quant_config, modelopt_config, source_dtypes = all_or_fail("export planning", plan_export)
+    source, files, dtype, quant_config, modelopt_config, source_tensors, carried = all_or_fail(
+        "export planning", plan_export)
     family = source.family
     agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
     with interrupts_raise():  # SIGTERM/SIGINT while staged: every rank removes the staging dir, then leaves
@@ -519,8 +564,8 @@ def export_checkpoint(
         try:
             staging = all_or_fail("export staging", lambda: _new_staging(export_dir, overwrite, rank))
             staging = Path(gather_objects(str(staging) if staging else None)[0])
-            exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_dtypes, staging, rank,
-                                     world, expert_input_scales)
+            exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_tensors.export_dtypes(),
+                                     staging, rank, world, expert_input_scales, source_tensors, carried)
             units = _units(model, files)
             # each rank writes its files and hashes them for the manifest on a thread while it exports the next
             # unit; rank 0 then reads only the files it writes in finalization (before: it re-read the whole export)
@@ -534,6 +579,7 @@ def export_checkpoint(
                     all_or_fail(f"export of {what}", lambda unit=unit: exporter.export(unit))
                     if progress is not None:
                         progress(i + 1, len(units))
+                all_or_fail("export of the carried source layers", exporter.export_carried)
                 digests = {k: v for part in gather_objects(all_or_fail("export writing", exporter.digests))
                            for k, v in part.items()}
             release_host_cache()  # every file is written: the pinned copies are free
@@ -541,6 +587,7 @@ def export_checkpoint(
             written = tuple(gather_objects(exporter.bytes_written))
             casts = gather_objects((exporter.exact, exporter.requantized))
             inputs = gather_objects((exporter.inputs_own, exporter.inputs_shared))
+            fp8 = gather_objects((exporter.fp8_exact, exporter.fp8_requantized))
             result = all_or_fail("export finalization", lambda: _finalize(
                 staging, source, files, maps, quant_config, modelopt_config, api, write_extra, digests)
                 if rank == 0 else None)
@@ -564,6 +611,14 @@ def export_checkpoint(
                     "re-quantized (scales too wide for one per-tensor scale)%s", exact,
                     sum(len(n.rpartition(".")[2].split("/")) for n in requantized),
                     f": {', '.join(requantized[:5])}{' ...' if len(requantized) > 5 else ''}" if requantized else "")
+    fp8_exact = sum(n for n, _ in fp8)
+    fp8_kept = tuple(sorted(name for _, names in fp8 for name in names))
+    if fp8_exact or fp8_kept:
+        logger.info("FP8 128x128-block weights: %d copied exactly from the source's FP8 blocks, %d re-quantized by "
+                    "ModelOpt (shapes differ from the source's)%s", fp8_exact, len(fp8_kept),
+                    f": {', '.join(fp8_kept[:5])}{' ...' if len(fp8_kept) > 5 else ''}" if fp8_kept else "")
+    if carried:
+        logger.info("carried the source layers the model does not build, unquantized: %s", ", ".join(carried))
     own = sum(n for n, _ in inputs)
     shared = tuple(sorted(name for _, names in inputs for name in names))
     if own or shared:
@@ -573,7 +628,7 @@ def export_checkpoint(
     timing = exporter.timing.rounded()
     logger.debug("export on rank %d: %s s", rank, timing)
     return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings, exact, requantized,
-                        own, shared, timing)
+                        own, shared, timing, fp8_exact, fp8_kept, carried)
 
 
 def _new_staging(export_dir: Path, overwrite: bool, rank: int) -> Path | None:

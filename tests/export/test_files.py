@@ -46,6 +46,20 @@ def test_file_of_routes_tensor_names():
     assert f.file_of(f"{LAYERS}.2.block_sparse_moe.shared_experts.down_proj.weight") == f.dense_file(2)
 
 
+def test_carried_layers_take_the_last_file():
+    """Source layers the model does not build (DeepSeek-V3's MTP layer, index num_layers) go to one last file,
+    written by the rank `dense_writer(num_layers)` names; without them, a key past the layers is an error."""
+    import dataclasses
+
+    f = dataclasses.replace(_files(), carried=1)
+    assert f.count == 1 + 3 + 2 * 4 + 1 and f.carried_file() == "model-00013-of-00013.safetensors"
+    assert f.file_of(f"{LAYERS}.3.block_sparse_moe.experts.9.w2.weight") == f.carried_file()
+    assert f.file_of(f"{LAYERS}.2.block_sparse_moe.experts.15.w2.weight") == "model-00012-of-00013.safetensors"
+    assert f.dense_writer(3, 2) == 0
+    with pytest.raises(ValueError, match="carries no source layers"):
+        _files().file_of(f"{LAYERS}.3.self_attn.o_proj.weight")
+
+
 def test_dense_files_are_spread_over_ranks():
     f = _files()
     assert f.dense_writer(None, 4) == 0

@@ -447,7 +447,7 @@ def test_unmapped_export_key_with_source(nvfp4, tmp_path):
     key = "language_model.model.layers.0.extra_norm.bias"
     rewrite(export / "model.safetensors", lambda t: t.__setitem__(key, torch.zeros(4, dtype=torch.bfloat16)))
     assert _verify(export).ok
-    assert _problems(export, src) == (f"export tensor {key} has no source tensor {key} (plain or MXFP4)",)
+    assert _problems(export, src) == (f"export tensor {key} has no source tensor {key} (plain, MXFP4 or FP8 blocks)",)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ def _quantization_problems(config: Mapping[str, Any]) -> list[str]:
         return []  # a bf16 checkpoint (e.g. DeepSeek's fp8_cast_bf16.py output)
     if not isinstance(qc, Mapping):
         return [f"quantization_config is {qc!r}; supported: none, or {FP8_QUANTIZATION}"]
+    if str(qc.get("quant_method", "")).startswith("modelopt"):
+        return []  # a ModelOpt export (this family's `ptq` output): `verify` checks it against hf_quant_config.json
     def same(key) -> bool:
         value, expected = qc.get(key), FP8_QUANTIZATION[key]
         if isinstance(expected, list):  # [128, 128] or (128, 128)
@@ -71,9 +73,15 @@ def _quantization_problems(config: Mapping[str, Any]) -> list[str]:
     differing = {k: qc.get(k) for k in set(qc) | set(FP8_QUANTIZATION) if k not in FP8_QUANTIZATION or not same(k)}
     if not differing:
         return []
-    shown = ", ".join(f"{k}={differing[k]!r}" for k in sorted(differing))
-    return [f"quantization_config has {shown}; supported: none, or exactly {FP8_QUANTIZATION} (FP8 E4M3 weights "
-            "with float32 128x128 block scales, as DeepSeek-V3 and Kimi-K2 ship)"]
+    shown = ", ".join(f"{k}={_short(differing[k])}" for k in sorted(differing))
+    return [f"quantization_config has {shown}; supported: none, exactly {FP8_QUANTIZATION} (FP8 E4M3 weights "
+            "with float32 128x128 block scales, as DeepSeek-V3 and Kimi-K2 ship), or a ModelOpt export's "
+            "(quant_method modelopt*)"]
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + " ...}"
 
 
 def _structure_problems(config: Mapping[str, Any]) -> list[str]:

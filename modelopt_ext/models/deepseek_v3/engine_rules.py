@@ -77,6 +77,13 @@ def trtllm_module_name(module: str) -> str:
     return f"{parent}.{_TRTLLM_LEAF.get(leaf, leaf)}"
 
 
+# TensorRT-LLM's DeepSeek-V3 asserts a non-MIXED_PRECISION quant config and reads q_a/kv_a/kv_b's scales only as
+# weight_scale_inv (`trtllm_names`), and SGLang takes FP8_PB_WO only inside MIXED_PRECISION: the production recipe's
+# export (NVFP4 experts + FP8 attention) is for vLLM and SGLang, fp8_all's for vLLM; nvfp4_experts_only loads in all
+# three (each checked on the stand-in's exports: tests/models/deepseek_v3/test_ptq.py).
+RECIPE_ENGINES = {"deepseek_v3/nvfp4_experts-fp8_attention": ("vllm", "sglang"), "deepseek_v3/fp8_all": ("vllm",)}
+
+
 def trtllm_names(banks: Mapping[str, str], view: EngineView, others: Mapping[str, str]) -> list[str]:
     """TensorRT-LLM's DeepSeek-V3: no MIXED_PRECISION top level; routed experts banks (name -> format their tensors
     have) under the exact key `model.layers.N.mlp.experts` or the top-level algorithm; q_a / kv_a / kv_b

@@ -1,6 +1,6 @@
 """The DeepSeek-V3 family spec (DeepSeek-V3/R1 `deepseek_v3`, Kimi-K2 `kimi_k2`): transformers' native model, so
 no pinned revision and no remote-code lock; EP plan, exclusions, converters, sizes, serving facts, recipes, the
-stand-in. `ptq` refuses the family until the pieces `PTQ_REFUSED` names exist."""
+stand-in, and the multi-token-prediction layers the export carries over (`carried_layers`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,6 @@ from .config_check import MODEL_TYPES, check_config
 from .pinned import EP_PLAN, EXPORT_EXPERT_NAMES, MIN_VERSIONS, ROUTER_GLOB
 from .sizes import BUNDLED_CONFIG, KIMI_K2_CONFIG, plan_sizes
 
-PTQ_REFUSED = ("the export does not write this family yet (the exact copy of FP8-block source weights and of the MTP "
-               "layer, the fused layout of transformers' native experts); loading (modelopt_ext.from_pretrained, also "
-               "with ep_size), calibration (also under EP) and `modelopt-ext plan` work, and the recipes and the "
-               "serving facts exist")
-
 
 def quantizer_exclusions(config) -> tuple[str, ...]:
     """Quantizer-name globs that stay unquantized under every recipe (the same for every config): the router
@@ -23,6 +18,14 @@ def quantizer_exclusions(config) -> tuple[str, ...]:
     `q_a_layernorm` / `kv_a_layernorm`, the final norm), the embeddings and lm_head. `*.mlp.gate.*` does not
     match the MLPs' `gate_proj`."""
     return ("*.mlp.gate.*", "*e_score_correction_bias*", "*norm*", "*embed_tokens*", "*lm_head*")
+
+
+def carried_layers(config) -> tuple[str, ...]:
+    """The multi-token-prediction layers (`model.layers.{num_hidden_layers + i}.`, i < num_nextn_predict_layers):
+    transformers does not build them; the export carries them over unquantized and excluded, as NVIDIA's DeepSeek
+    NVFP4 checkpoints ship layer 61 and the engines' MTP loaders read it (export/source.py)."""
+    layers = config["num_hidden_layers"]
+    return tuple(f"model.layers.{layers + i}." for i in range(config.get("num_nextn_predict_layers", 0) or 0))
 
 
 def _prepare(path, **kwargs):
@@ -75,8 +78,9 @@ DEEPSEEK_V3 = register_family(
             sglang_key=engine_rules.sglang_key,
             trtllm_names=engine_rules.trtllm_names,
             sources=engine_rules.SOURCES,
+            recipe_engines=engine_rules.RECIPE_ENGINES,
         ),
-        ptq_refused=PTQ_REFUSED,
         router_ids=lambda output: output[2],  # DeepseekV3TopkRouter returns (logits, topk weights, topk ids)
+        carried_layers=carried_layers,
     )
 )

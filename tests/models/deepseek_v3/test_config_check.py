@@ -81,7 +81,16 @@ def test_keys_with_a_known_default_may_be_missing(key):
 def test_a_quantization_config_other_than_fp8_128x128_is_refused(quantization, shown):
     problems = config_problems(_with(DSV3, quantization_config=quantization))
     assert len(problems) == 1 and problems[0].startswith("quantization_config has ") and shown in problems[0]
-    assert "supported: none, or exactly" in problems[0]
+    assert "supported: none, exactly" in problems[0] and "or a ModelOpt export's" in problems[0]
+
+
+def test_a_modelopt_export_config_is_accepted_and_a_long_value_is_cut():
+    """The family's own `ptq` output (quant_method modelopt / modelopt_mixed) is read back by `verify`."""
+    for method in ("modelopt", "modelopt_mixed"):
+        assert config_problems(_with(DSV3, quantization_config={"quant_method": method, "quant_algo": "NVFP4"})) == []
+    long = {"quant_method": "other", "config_groups": {f"group_{i}": {"targets": ["x" * 50]} for i in range(20)}}
+    problem = config_problems(_with(DSV3, quantization_config=long))[0]
+    assert "config_groups={'group_0'" in problem and " ...}" in problem and len(problem) < 600
 
 
 def test_block_size_as_a_tuple_is_the_same():

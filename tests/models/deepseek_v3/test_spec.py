@@ -39,7 +39,11 @@ def test_registered_for_both_model_types(spec):
     assert spec.model_types == ("deepseek_v3", "kimi_k2") and spec.text_model_type is None
     assert spec.revision is None and spec.remote_code_lock is None  # transformers' own classes
     assert spec.default_recipe == "deepseek_v3/nvfp4_experts-fp8_attention" and spec.prediction is None
-    assert spec.serving.engines == ("vllm", "sglang", "trtllm") and spec.ptq_refused
+    assert spec.serving.engines == ("vllm", "sglang", "trtllm") and spec.ptq_refused is None
+    assert spec.carried_layers(DSV3) == ("model.layers.61.",) and spec.carried_layers(K2) == ()  # Kimi-K2 ships no MTP layer
+    assert spec.carried_layers({**DSV3, "num_nextn_predict_layers": 0}) == ()
+    assert dict(spec.serving.recipe_engines) == {"deepseek_v3/nvfp4_experts-fp8_attention": ("vllm", "sglang"),
+                                                 "deepseek_v3/fp8_all": ("vllm",)}
     assert dict(spec.bundled_configs) == {"deepseek-v3": S.BUNDLED_CONFIG, "kimi-k2": S.KIMI_K2_CONFIG}
     assert dict(spec.export_expert_names) == {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
@@ -140,10 +144,16 @@ quantize:
 """
 
 
-def test_ptq_refuses_the_family_before_loading(ds_tiny, tmp_path, capsys, monkeypatch):
-    """Until the export writes the family, `ptq` refuses it in validate, saying why, and loads nothing."""
-    import modelopt_ext.loading
+def test_ptq_refuses_a_family_marked_refused_before_loading(ds_tiny, tmp_path, capsys, monkeypatch, spec):
+    """A family whose spec says `ptq_refused` (as this one did until its export existed) is refused in validate,
+    saying why, and nothing is loaded."""
+    import dataclasses
 
+    import modelopt_ext.loading
+    from modelopt_ext import families as registry
+
+    refused = dataclasses.replace(spec, ptq_refused="the export does not write this family yet")
+    monkeypatch.setattr(registry, "_FAMILIES", {**registry._FAMILIES, "deepseek_v3": refused})
     monkeypatch.setattr(modelopt_ext.loading, "load_checkpoint", lambda *a, **k: pytest.fail("loaded"))
     assert main(["ptq", "--model", str(ds_tiny), "--export-dir", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -152,17 +162,12 @@ def test_ptq_refuses_the_family_before_loading(ds_tiny, tmp_path, capsys, monkey
 
 
 def test_ptq_validate_has_no_lock_to_check(ds_tiny, tmp_path, monkeypatch, spec):
-    """With the refusal lifted (as it will be), validate skips the lock check of a family without remote code
-    and refuses a lock given for it."""
-    import dataclasses
-
-    from modelopt_ext import families as registry
+    """validate skips the lock check of a family without remote code and refuses a lock given for it."""
     from modelopt_ext import ptq
     from modelopt_ext.export import writer
     from modelopt_ext.run_config import PtqConfig
 
-    runnable = dataclasses.replace(spec, ptq_refused=None)
-    monkeypatch.setattr(registry, "_FAMILIES", {**registry._FAMILIES, "deepseek_v3": runnable})
+    runnable = spec
     monkeypatch.setattr(writer, "check_export_dir", lambda d, overwrite: Path(d).absolute())
     recipe = tmp_path / "fp8_weights.yaml"
     recipe.write_text(RECIPE)
