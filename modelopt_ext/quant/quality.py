@@ -290,6 +290,11 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
     lines = []
     for kind, what in (("experts", "routed experts"), ("linear", "other quantized modules")):
         mods = by_kind(kind)
+        blocks = [m for m in by_kind("moe_block") if m["ours"] or m["baseline"]]  # a block with something quantized
+        if not mods and kind == "experts" and blocks:
+            # experts of a class without modelopt_ext's per-expert probe (transformers' own, e.g. DeepSeek-V3):
+            # their MoE blocks' outputs are what is measured
+            kind, what, mods = "moe_block", "routed experts, per MoE block (no per-expert probe)", blocks
         if not mods:
             lines.append(f"quality, {what}: none quantized")
             continue

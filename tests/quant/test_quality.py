@@ -94,3 +94,25 @@ def test_on_the_fitted_standin_ours_beats_the_calibration_free_baseline(fitted_c
     for name, m in report["modules"].items():
         if m["kind"] == "linear":
             assert m["ours"] == m["baseline"], name
+
+
+def test_summary_lines_fall_back_to_the_moe_blocks_without_per_expert_probes():
+    """Experts of a class without modelopt_ext's probe (transformers' own): the routed experts' line reports the MoE
+    blocks that hold something quantized; with neither, "none quantized"."""
+    from modelopt_ext.quant.quality import summary_lines
+
+    def module(kind, ours, baseline):
+        return {"kind": kind, "rows": 8, "ours": ours, "baseline": baseline}
+
+    logits = {s: {"kl": 0.0, "top1_agreement": 1.0} for s in ("ours", "baseline")}
+    report = {"tokens": 64, "logits": logits, "modules": {
+        "m.layers.0.mlp": module("moe_block", 0.0, 0.0), "m.layers.1.mlp": module("moe_block", 0.1, 0.2),
+        "m.layers.2.mlp": module("moe_block", 0.3, 0.2), "m.layers.1.attn.o": module("linear", 0.01, 0.01)}}
+    lines = summary_lines(report)
+    assert lines[0] == ("quality, routed experts, per MoE block (no per-expert probe) (2 modules, 64 held-out tokens): "
+                        "mean output error ours 0.2000 vs calibration-free 0.2000; ours lower in 1, equal in 0, "
+                        "higher in 1")
+    assert lines[1].startswith("quality, other quantized modules (1 modules")
+    report["modules"] = {"m.layers.0.mlp": module("moe_block", 0.0, 0.0)}
+    assert summary_lines(report)[:2] == ["quality, routed experts: none quantized",
+                                         "quality, other quantized modules: none quantized"]

@@ -43,7 +43,7 @@ def _ptq(tiny: Path, out: Path, nproc: int, *extra: str) -> subprocess.Completed
 def exports(ds_tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_ptq")
     out = {}
-    for name, nproc, extra in (("ep1", 1, ()), ("ep2", 2, ()), ("ep4", 4, ()),
+    for name, nproc, extra in (("ep1", 1, ()), ("ep2", 2, ()), ("ep4", 4, ("--quality-blocks", "4")),
                                ("experts_only", 2, ("--recipe", "deepseek_v3/nvfp4_experts_only", "--engine", "all")),
                                ("fp8_all", 2, ("--recipe", "deepseek_v3/fp8_all"))):
         proc = _ptq(ds_tiny, root / name, nproc, *extra)
@@ -73,6 +73,17 @@ def test_exports_are_byte_identical_across_ep_degrees(exports):
     assert files["ep1"] == files["ep2"] == files["ep4"]
     for f in files["ep2"]:
         assert (exports["ep2"][0] / f).read_bytes() == (exports["ep4"][0] / f).read_bytes(), f
+
+
+def test_the_quality_report_measures_the_moe_blocks(exports):
+    """transformers' own experts class has no per-expert probe: the summary reports the routed experts by MoE block
+    (the dense layer 0's MLP, unquantized, left out); the report did not change the export (EP4 = EP2 above)."""
+    folder, log = exports["ep4"]
+    report = json.loads((folder / "quality.json").read_text())
+    blocks = {n: m for n, m in report["modules"].items() if m["kind"] == "moe_block"}
+    assert set(blocks) == {f"model.layers.{i}.mlp" for i in range(4)} and blocks["model.layers.0.mlp"]["ours"] == 0
+    assert all(0 < blocks[f"model.layers.{i}.mlp"]["ours"] < 1 for i in (1, 2, 3))
+    assert "quality, routed experts, per MoE block (no per-expert probe) (3 modules, " in log
 
 
 def test_ep1_differs_only_in_input_scales_after_the_first_moe_layer(exports):
