@@ -604,31 +604,35 @@ def export_checkpoint(
     seconds = time.perf_counter() - start
     logger.info("exported %d tensors (%s bytes) in %d files to %s in %.1f s", tensors, f"{total:,}", files.count,
                 export_dir, seconds)
-    exact = sum(n for n, _ in casts)
-    requantized = tuple(sorted(name for _, names in casts for name in names))
+    exact, requantized = _totals(casts)
     if exact or requantized:
         logger.info("routed experts: %d weights cast exactly from MXFP4 to NVFP4 (codes kept, no added error), %d "
                     "re-quantized (scales too wide for one per-tensor scale)%s", exact,
-                    sum(len(n.rpartition(".")[2].split("/")) for n in requantized),
-                    f": {', '.join(requantized[:5])}{' ...' if len(requantized) > 5 else ''}" if requantized else "")
-    fp8_exact = sum(n for n, _ in fp8)
-    fp8_kept = tuple(sorted(name for _, names in fp8 for name in names))
+                    sum(len(n.rpartition(".")[2].split("/")) for n in requantized), _named(requantized))
+    fp8_exact, fp8_kept = _totals(fp8)
     if fp8_exact or fp8_kept:
         logger.info("FP8 128x128-block weights: %d copied exactly from the source's FP8 blocks, %d re-quantized by "
-                    "ModelOpt (shapes differ from the source's)%s", fp8_exact, len(fp8_kept),
-                    f": {', '.join(fp8_kept[:5])}{' ...' if len(fp8_kept) > 5 else ''}" if fp8_kept else "")
+                    "ModelOpt (shapes differ from the source's)%s", fp8_exact, len(fp8_kept), _named(fp8_kept))
     if carried:
         logger.info("carried the source layers the model does not build, unquantized: %s", ", ".join(carried))
-    own = sum(n for n, _ in inputs)
-    shared = tuple(sorted(name for _, names in inputs for name in names))
+    own, shared = _totals(inputs)
     if own or shared:
         logger.info("routed experts: %d input scales from the expert's own statistics, %d kept the layer's shared "
-                    "scale (no calibration token)%s", own, len(shared),
-                    f": {', '.join(shared[:5])}{' ...' if len(shared) > 5 else ''}" if shared else "")
+                    "scale (no calibration token)%s", own, len(shared), _named(shared))
     timing = exporter.timing.rounded()
     logger.debug("export on rank %d: %s s", rank, timing)
     return ExportResult(export_dir, files.count, tensors, total, written, seconds, warnings, exact, requantized,
                         own, shared, timing, fp8_exact, fp8_kept, carried)
+
+
+def _totals(parts: list[tuple[int, list[str]]]) -> tuple[int, tuple[str, ...]]:
+    """Every rank's (count, names) summed: the total count and the sorted names."""
+    return sum(n for n, _ in parts), tuple(sorted(name for _, names in parts for name in names))
+
+
+def _named(names: tuple[str, ...]) -> str:
+    """": a, b, c, d, e ..." for a log line (the first five), or "" for none."""
+    return f": {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}" if names else ""
 
 
 def _new_staging(export_dir: Path, overwrite: bool, rank: int) -> Path | None:
