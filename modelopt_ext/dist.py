@@ -31,7 +31,12 @@ _joined = {"group": False}  # whether this process ever joined a process group t
 
 
 class RankFailure(RuntimeError):
-    """Raised on every rank when any rank failed a step."""
+    """Raised on every rank when any rank failed a step. `lost_contact`: raised because the group itself failed
+    (a peer died, closed or timed out), so no rank can agree on anything more."""
+
+    def __init__(self, message: str, lost_contact: bool = False):
+        super().__init__(message)
+        self.lost_contact = lost_contact
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
@@ -109,10 +114,12 @@ def all_or_fail(step: str, fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
         error, exc = f"{type(e).__name__}: {e}", e
+        if isinstance(e, RankFailure) and e.lost_contact:  # a nested step lost the group: it already said so
+            raise
         if _is_comm_error(e):  # a consequence of another rank's fault, not a failure of this rank's step
             message = f"lost contact with other ranks during {step} ({error}); positions: {positions()}"
             record_failure(step, f"lost contact with other ranks ({error})")  # stops a stalled peer's watch
-            raise RankFailure(message) from e
+            raise RankFailure(message, lost_contact=True) from e
         record_failure(step, error)
     errors: list[Any] = [None] * dist.get_world_size()
     try:
@@ -121,7 +128,14 @@ def all_or_fail(step: str, fn: Callable[[], T]) -> T:
         message = f"lost contact with other ranks after {step} ({type(e).__name__}: {e}); positions: {positions()}"
         if error is None:
             record_failure(step, f"lost contact with other ranks ({type(e).__name__}: {e})")
-        raise RankFailure(message) from (exc or e)
+        raise RankFailure(message, lost_contact=True) from (exc or e)
+    except BaseException as e:
+        # a signal (SIGTERM's `Interrupted`) while the ranks agree on this step: outside the `except` above,
+        # Python would not chain this rank's own failure, and the error line would lose it (seen in CI: a rank
+        # said "nothing was exported" for an export it was discarding)
+        if exc is not None and e.__context__ is None:
+            e.__context__ = exc
+        raise
     failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed:
         first = min(failed)

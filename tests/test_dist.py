@@ -35,6 +35,9 @@ def dist_all_or_fail_and_agree(rank: int, world_size: int):
             return rank * 10
         return fn
 
+    def lost_contact():
+        raise TimeoutError(f"peer gone (rank {rank})")
+
     differing = world_size - 1
     return {
         "one_fails": outcome(lambda: all_or_fail("step one", fail_on({1}))),
@@ -42,7 +45,36 @@ def dist_all_or_fail_and_agree(rank: int, world_size: int):
         "all_succeed": outcome(lambda: all_or_fail("step three", fail_on(set()))),
         "agree_equal": outcome(lambda: agree("the plan", {"ep": world_size, "dense": "replicate"})),
         "agree_differs": outcome(lambda: agree("the width", 128 + (rank == differing))),
+        # every rank's inner step loses the group: the outer step says what the inner one said, and gathers nothing
+        "nested_lost_contact": outcome(lambda: all_or_fail("outer", lambda: all_or_fail("inner", lost_contact))),
+        "interrupted_while_agreeing": _interrupted_while_agreeing(rank, fail_on({1})),  # the last: it patches
     }
+
+
+def _interrupted_while_agreeing(rank: int, fn) -> dict:
+    """SIGTERM arrives while the ranks agree on a step that failed on rank 1 (the agreement's collective is
+    replaced by one that receives the signal): the `Interrupted` it raises chains rank 1's own failure."""
+    import signal
+
+    import torch.distributed as dist
+
+    from modelopt_ext.dist import all_or_fail
+    from modelopt_ext.export.staging import Interrupted, interrupts_raise
+
+    def signalled(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+
+    gather, dist.all_gather_object = dist.all_gather_object, signalled
+    try:
+        with interrupts_raise():
+            all_or_fail("step four", fn)
+    except Interrupted as e:
+        context = e.__context__
+        return {"type": type(e).__name__, "context": None if context is None else f"{type(context).__name__}: "
+                                                                                   f"{context}"}
+    finally:
+        dist.all_gather_object = gather
+    return {"type": None}
 
 
 def dist_stalled_rank(rank: int, world_size: int, timeout_s: float, stall_s: float):
@@ -95,6 +127,23 @@ def test_all_or_fail_several_ranks_raise_names_the_first_and_the_others(outcomes
 
 def test_all_or_fail_returns_each_ranks_own_value(outcomes):
     assert [o["all_succeed"] for o in outcomes] == [{"value": 10 * r, "error": None} for r in range(WORLD)]
+
+
+def test_a_nested_step_that_lost_contact_is_raised_unchanged_by_the_outer_one(outcomes):
+    results = [o["nested_lost_contact"] for o in outcomes]
+    for rank, r in enumerate(results):
+        assert r["type"] == "RankFailure", r
+        assert r["error"].startswith(f"lost contact with other ranks during inner (TimeoutError: peer gone (rank {rank}"
+                                     "))"), r
+        assert "during outer" not in r["error"], r  # (the positions may name it: where the other ranks were)
+
+
+def test_a_signal_while_agreeing_on_a_failure_chains_this_ranks_failure(outcomes):
+    """CI once saw a rank discarding its export report "nothing was exported": the signal came in the outer step's
+    agreement, after the `except` block, so the failure it ended was not chained."""
+    results = [o["interrupted_while_agreeing"] for o in outcomes]
+    assert [r["type"] for r in results] == ["Interrupted"] * WORLD
+    assert [r["context"] for r in results] == [None, "ValueError: boom on rank 1", None]
 
 
 def test_agree_passes_for_equal_values(outcomes):
