@@ -85,8 +85,6 @@ class PreparedLoad:
         remote_code: the model class is the checkpoint's remote code; it is then registered for
             AutoModelForCausalLM after the load, so that `save_pretrained` copies its files and writes `auto_map`
             (for a class native to transformers that would change transformers' class for every model).
-        refused_dense: dense placement of a distribution plan ("replicate" | "fsdp") -> why this load cannot take
-            it; such a plan is refused before anything is read.
     """
 
     path: Path
@@ -105,7 +103,6 @@ class PreparedLoad:
     load_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     ignored_unexpected: tuple[str, ...] = ()
     remote_code: bool = True
-    refused_dense: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +136,6 @@ def load(prepare: Callable[..., PreparedLoad], path: str | Path, *, distribution
     """
     check_warmup_tokens(warmup_tokens)
     prepared = prepare(path, **kwargs)
-    if distribution_plan is not None and distribution_plan.dense in prepared.refused_dense:
-        raise CheckpointError(f"{prepared.path} cannot be loaded with the dense layers {distribution_plan.dense!r} "
-                              f"({prepared.description}): {prepared.refused_dense[distribution_plan.dense]}")
     kwargs = {k: v for k, v in kwargs.items() if k not in prepared.family_options}
     gpu = on_gpu(kwargs)
     with _LOAD_LOCK:

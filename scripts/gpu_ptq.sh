@@ -3,6 +3,8 @@
 # routed_expert_hidden_size 3584, expert width moe_intermediate_size 3072, so w1/w3 [3072, 3584] and w2
 # [3584, 3072]; 14 experts per rank at EP2) calibrated and exported at EP1 (one GPU) and EP2 (two GPUs, NCCL);
 # summaries, verify output and the byte comparison of the two exports go to $OUT (default ./gpu_out).
+# FAMILY=deepseek_v3: the DeepSeek-V3 stand-in instead (FP8 128x128-block source, MTP layer; 4 layers, hidden
+# 2048, 32 experts of width 1024, top-8), through the family's production recipe and its engines' rules.
 # Wheels missing from the machine are installed from .whl/ when present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +15,11 @@ if [ -d .whl ]; then
 fi
 export HF_HUB_OFFLINE=1 HF_MODULES_CACHE=/tmp/hf_modules
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU"; } | tee "$OUT/gpus.txt"
-[ -f /tmp/mid/config.json ] || python3 -m modelopt_ext make-tiny kimi_k3 /tmp/mid --force --num-layers 4 --hidden-size 4096 --latent-size 3584 \
-  --moe-intermediate-size 3072 --num-experts 28 --top-k 8 --vocab-size 8192
+FAMILY=${FAMILY:-kimi_k3}; MID=/tmp/mid_$FAMILY
+if [ "$FAMILY" = kimi_k3 ]; then SIZES="--hidden-size 4096 --latent-size 3584 --moe-intermediate-size 3072 --num-experts 28"
+else SIZES="--hidden-size 2048 --moe-intermediate-size 1024 --num-experts 32"; fi
+[ -f "$MID/config.json" ] || python3 -m modelopt_ext make-tiny "$FAMILY" "$MID" --force --num-layers 4 $SIZES --top-k 8 \
+  --vocab-size 8192
 # The embedded calibration set is a few thousand tokens: repeat the stand-in's corpus (shuffled lines) so
 # every rank gets full 2048-token blocks (60 copies: about 172k tokens; CORPUS_COPIES=800 for 2M).
 python3 - <<'PY'
@@ -27,7 +32,7 @@ with open("/tmp/calib.txt", "w") as f:
         rng.shuffle(lines)
         f.write("\n".join(lines) + "\n\n")
 PY
-ARGS="--model /tmp/mid --dataset /tmp/calib.txt --calib-size ${CALIB_SIZE:-64} --batch-size 4 --seq-len 2048 --no-progress --overwrite"
+ARGS="--model $MID --dataset /tmp/calib.txt --calib-size ${CALIB_SIZE:-64} --batch-size 4 --seq-len 2048 --no-progress --overwrite"
 # run NAME NPROC [NAME=VALUE ...]: one ptq with those experts options (`--experts-option`; $EXTRA holds more ptq
 # flags).
 run() {
@@ -72,7 +77,7 @@ if [ "${CPROFILE:-0}" = 1 ]; then
   python3 -m cProfile -o "$OUT/cprofile_ep1.prof" -m modelopt_ext ptq ${ARGS/--calib-size ${CALIB_SIZE:-64}/--calib-size 64} \
     --export-dir /tmp/export_cprofile --summary-json "$OUT/summary_cprofile_ep1.json" > "$OUT/ptq_cprofile_ep1.txt" 2>&1
 fi
-python3 -m modelopt_ext verify "/tmp/export_ep${LAST}_1" --source /tmp/mid 2>&1 | tail -4 | tee "$OUT/verify_ep$LAST.txt"
+python3 -m modelopt_ext verify "/tmp/export_ep${LAST}_1" --source "$MID" 2>&1 | tail -4 | tee "$OUT/verify_ep$LAST.txt"
 if [ "$EPS" != "$LAST" ]; then
   (cd /tmp && for f in $(ls "export_ep${EPS%% *}_1"); do cmp -s "export_ep${EPS%% *}_1/$f" "export_ep${LAST}_1/$f" || echo "differs: $f"; done) \
     | tee "$OUT/compare.txt" | head -20

@@ -142,12 +142,3 @@ def test_the_family_load_kwargs_win_over_the_callers(llama):
     assert result.model.model.embed_tokens.weight.dtype == torch.float64
 
 
-def test_a_dense_placement_the_family_refuses_fails_before_anything_is_read(llama):
-    import types
-
-    calls = []
-    plan = types.SimpleNamespace(dense="fsdp")
-    with pytest.raises(loader.CheckpointError, match=r"dense layers 'fsdp' \(a test family\): scales would be cut"):
-        loader.load(_hooks(llama, calls, refused_dense={"fsdp": "scales would be cut"}), llama,
-                    distribution_plan=plan, dtype=torch.float32)
-    assert calls == [("prepare", ["dtype"])]

@@ -111,3 +111,66 @@ def test_the_scope_nests_and_restores_transformers_function():
     with pytest.raises(RuntimeError), fp8.exact_block_dequantize():
         raise RuntimeError("boom")
     assert Fp8Dequantize._dequantize_one is original
+
+
+# ---- sharded loads (FSDP dense layers): each rank's scales are its weight shard's -----------------------------------
+
+
+@pytest.mark.parametrize("rows, cols", [(slice(None), slice(None)), (slice(192, 384), slice(None)),
+                                        (slice(96, 192), slice(100, 200)), (slice(None), slice(200, 300)),
+                                        (slice(130, 131), slice(5, 7)), (slice(0, 0), slice(None))])
+def test_a_shards_scales_dequantize_to_its_part_of_the_whole_weight(rows, cols):
+    """[576, 300]: a partial last block along both dimensions; shards that start and end inside blocks."""
+    q, s = fp8.quantize_blocks(_weight(576, 300, seed=4))
+    whole = fp8.dequantize_blocks(q, s, torch.bfloat16)
+    scales = fp8.shard_block_scales(s, torch.arange(576)[rows], torch.arange(300)[cols], (576, 300))
+    with fp8.exact_block_dequantize():
+        got = _op()._dequantize_one(q[rows, cols], scales, output_dtype=torch.bfloat16)
+    assert torch.equal(got, whole[rows, cols])
+    if rows == slice(None) and cols == slice(None):
+        assert scales is s  # a shard that holds the whole weight keeps the grid
+
+
+def test_shard_block_scales_refuses_a_grid_of_another_weight():
+    with pytest.raises(ValueError, match=r"scales \(5, 3\) do not cover a weight \(576, 200\)"):
+        fp8.shard_block_scales(torch.ones(5, 3), torch.arange(10), torch.arange(200), (576, 200))
+
+
+def shard_on_read(rank: int, world_size: int) -> dict[str, object]:
+    """Per rank: transformers' shard-on-read of an FP8 weight and its scale grid for a [576, 300] parameter sharded
+    along rows, then columns, dequantized as transformers pairs them; whether the result is this rank's part of the
+    whole weight's dequantization, in the scope and without it (the name of the error transformers raised)."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    q, s = fp8.quantize_blocks(_weight(576, 300, seed=4))
+    whole = fp8.dequantize_blocks(q, s, torch.bfloat16)
+    out = {}
+    for dim in (0, 1):
+        param = distribute_tensor(torch.zeros(576, 300, dtype=torch.bfloat16), mesh, [Shard(dim)])
+        expected = distribute_tensor(whole, mesh, [Shard(dim)]).to_local()
+        for scoped in (True, False):
+            try:
+                with fp8.exact_block_dequantize() if scoped else contextlib.nullcontext():
+                    op = DtensorShardOperation(param)
+                    got = _op()._dequantize_one(op.shard_tensor(q), op.shard_tensor(s), output_dtype=torch.bfloat16)
+                out[f"dim{dim}_{'scope' if scoped else 'transformers'}"] = bool(torch.equal(got, expected))
+            except Exception as e:  # noqa: BLE001
+                out[f"dim{dim}_{'scope' if scoped else 'transformers'}"] = type(e).__name__
+    return out
+
+
+def test_shard_on_read_in_the_scope_gives_each_rank_its_part_of_the_dequantized_weight():
+    """3 gloo ranks: rows 0-191, 192-383, 384-575 (blocks cut at 128 and 256...) and columns 0-99, 100-199,
+    200-299. transformers alone cuts the [5, 3] grid by the same placement (rows 0-1, 2-3, 4 of it) and then
+    fails or mis-scales; the scope matches the whole weight's bytes on every rank."""
+    from modelopt_ext.testing.multiproc import run_ranks
+
+    results = run_ranks(shard_on_read, 3, timeout_s=120)
+    for r in results:
+        assert r["dim0_scope"] is True and r["dim1_scope"] is True, results
+    assert any(r[k] is not True for r in results for k in ("dim0_transformers", "dim1_transformers")), results

@@ -12,9 +12,9 @@ How the load differs from a plain `from_pretrained`:
 - for model_type `kimi_k2`, which transformers' conversion mapping does not know, transformers' `deepseek_v3`
   mapping (the per-expert tensors merged into `gate_up_proj` / `down_proj`) is registered for the load only
   (without it the experts would be left unloaded: the strict check would refuse the load);
-- an FP8 checkpoint cannot be loaded with FSDP-sharded dense layers (`FSDP_FP8` says why): a plan with
-  `dense="fsdp"` is refused before anything is read; "replicate" works (the experts, sharded by whole experts
-  under EP, load right either way);
+- FSDP-sharded dense layers of an FP8 checkpoint load exactly: in the same scope each rank gets the scales of the
+  rows its weight shard holds (transformers 5.25 would cut the scale grid by the weight's placement; see
+  `formats/fp8_block.py`);
 - the multi-token-prediction layers (`model.layers.{num_hidden_layers}...`), which transformers does not build,
   are declared as knowingly unread (`PreparedLoad.ignored_unexpected`); any other unexpected key is refused.
 """
@@ -44,11 +44,6 @@ NATIVE_MODEL_TYPE = "deepseek_v3"  # the model type transformers' conversion map
 # Keyword arguments the adapter decides itself.
 RESERVED_KWARGS = ("config", "quantization_config", "output_loading_info")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FSDP_FP8 = ("transformers 5.25 shards on read (`DtensorShardOperation`) each source tensor of a sharded parameter "
-            "with that parameter's placement, the FP8 weight's float32 `weight_scale_inv` [ceil(out/128), "
-            "ceil(in/128)] too, before `Fp8Dequantize` runs: a rank's scale rows then do not cover its weight rows "
-            "unless its share of the rows is a multiple of 128 (an empty share raises ZeroDivisionError, another "
-            "share dequantizes with the wrong blocks' scales); use dense='replicate'")
 __all__ = ["CheckpointError", "expert_converters", "expert_storage_of", "mtp_key_patterns", "prepare_load"]
 
 
@@ -156,5 +151,4 @@ def prepare_load(path: str | Path, *, remote_code_lock: str | Path | None = None
         load_kwargs=load_kwargs,
         ignored_unexpected=mtp_key_patterns(config),
         remote_code=False,
-        refused_dense={"fsdp": FSDP_FP8} if storage == "fp8" else {},
     )

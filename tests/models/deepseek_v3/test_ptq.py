@@ -175,9 +175,20 @@ def _bf16_copy(tiny: Path, out: Path) -> Path:
     return out
 
 
+def test_fsdp_dense_layers_export_as_replicated_ones(ds_tiny, exports, tmp_path):
+    """The FP8 source with FSDP-sharded dense layers (each rank dequantizes its rows with its shard's block scales,
+    formats/fp8_block.py): the EP2 export is byte-identical to the replicated one's."""
+    out = tmp_path / "fsdp"
+    _ptq(ds_tiny, out, 2, "--dense", "fsdp")
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files == sorted(p.name for p in exports["ep2"][0].glob("*.safetensors")) and len(files) == 54
+    for f in files:
+        assert (out / f).read_bytes() == (exports["ep2"][0] / f).read_bytes(), f
+
+
 def test_a_bf16_source_with_fsdp_dense_layers_exports_as_with_replicated_ones(ds_tiny, tmp_path):
-    """FSDP-sharded dense layers (refused for an FP8 source: transformers 5.25 slices the block scales with the
-    weight's rows) on a bf16 DeepSeek-V3 checkpoint: the export at EP2 is byte-identical to the replicated one's."""
+    """FSDP-sharded dense layers on a bf16 DeepSeek-V3 checkpoint (as DeepSeek's fp8_cast_bf16.py writes it): the
+    export at EP2 is byte-identical to the replicated one's."""
     source = _bf16_copy(ds_tiny, tmp_path / "bf16")
     digests = {}
     for dense in ("replicate", "fsdp"):
