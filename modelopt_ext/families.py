@@ -109,9 +109,36 @@ class PredictionSpec:
     dense_export_bytes: Callable[[Mapping[str, Any], str], Mapping[str, Any]]
 
 
-def first_item(output):
-    """A router output's first item: where a router returning (topk_ids, weights) keeps its expert ids."""
-    return output[0]
+@dataclasses.dataclass(frozen=True)
+class RouterOutput:
+    """What a family's router returns, item by item: "ids" (the top-k global expert ids [T, K]), "weights" (their
+    routing weights [T, K]) and any other item by name, passed through unchanged (e.g. DeepSeek-V3's "logits").
+    Expert coverage reads the ids; the all-experts policy replaces ids and weights."""
+
+    items: tuple[str, ...] = ("ids", "weights")
+
+    def __post_init__(self):
+        for item in ("ids", "weights"):
+            if self.items.count(item) != 1:
+                raise ValueError(f"router output items {self.items}: {item!r} must be named exactly once")
+
+    def _checked(self, output, router: str) -> tuple:
+        if not (isinstance(output, tuple) and len(output) == len(self.items)):
+            got = f"{type(output).__name__} of {len(output) if isinstance(output, tuple) else 1} item(s)"
+            raise TypeError(f"router {router}: the family's router returns {self.items}, this one returned {got}")
+        return output
+
+    def ids(self, output, router: str):
+        """The expert ids in a router's output (`router`: its name, for the error)."""
+        return self._checked(output, router)[self.items.index("ids")]
+
+    def weights(self, output, router: str):
+        return self._checked(output, router)[self.items.index("weights")]
+
+    def replaced(self, output, ids, weights) -> tuple:
+        """The output with other ids and weights, every other item as it was."""
+        named = {"ids": ids, "weights": weights}
+        return tuple(named.get(item, value) for item, value in zip(self.items, output))
 
 
 def no_carried_layers(config) -> tuple[str, ...]:
@@ -158,8 +185,8 @@ class FamilySpec:
         prediction: what `plan --predict` needs (bundled measurement, layer kinds, export bytes), if known.
         ptq_refused: why `modelopt-ext ptq` cannot run this family yet (refused in validate, before anything is
             loaded), or None where it runs.
-        router_ids: `router_ids(router_output)` -> the top-k global expert ids [T, K] in the output of a router
-            `router_glob` names (expert coverage, `quant.coverage`); default: its first item, (ids, weights).
+        router_output: what a router `router_glob` names returns, item by item (`RouterOutput`): where expert
+            coverage reads the ids and the all-experts policy replaces ids and weights; default (ids, weights).
         carried_layers: `carried_layers(config_json_mapping)` -> tensor-name prefixes (ending in ".") of source
             layers the model does not build that the export carries over unquantized and excluded from
             quantization (DeepSeek-V3's multi-token-prediction layer; `export.source_fp8`); default: none.
@@ -186,7 +213,7 @@ class FamilySpec:
     serving: ServingSpec | None = None
     prediction: PredictionSpec | None = None
     ptq_refused: str | None = None
-    router_ids: Callable[[Any], Any] = first_item
+    router_output: RouterOutput = RouterOutput()
     carried_layers: Callable[[Mapping[str, Any]], tuple[str, ...]] = no_carried_layers
 
     def __post_init__(self):

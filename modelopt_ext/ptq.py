@@ -621,7 +621,7 @@ class _Run:
                 recipes.check_patterns_match(cfg, model)
             bar(done)
 
-        options = {"router_glob": inputs.family.router_glob, "router_ids": inputs.family.router_ids,
+        options = {"router_glob": inputs.family.router_glob, "router_output": inputs.family.router_output,
                    "num_experts": inputs.num_experts, "uncovered": self.config.uncovered_experts,
                    "progress": on_batch, "plan": inputs.plan}
         prepared = time.perf_counter() - started  # the recipe's config, waiting for the batches, on the device

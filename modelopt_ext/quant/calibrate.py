@@ -33,6 +33,7 @@ import torch.distributed as dist
 from modelopt_ext.dist import mark
 from modelopt_ext.ep.backend import restore_ep_forwards
 from modelopt_ext.ep.sharding import local_expert_params
+from modelopt_ext.families import RouterOutput
 from modelopt_ext.profiling import BatchProfiler, sync_device
 
 from .collect import check_collected, deferred_checks
@@ -69,21 +70,22 @@ class CalibrationResult:
 
 
 @contextlib.contextmanager
-def all_experts_routing(model: torch.nn.Module, router_glob: str, num_experts: int):
-    """Routers return every expert, with the unpicked ones weighted 0 (outputs unchanged)."""
+def all_experts_routing(model: torch.nn.Module, router_glob: str, num_experts: int,
+                        router_output: RouterOutput | None = None):
+    """Routers return every expert, with the unpicked ones weighted 0 (outputs unchanged); `router_output`: what
+    they return (the family's `FamilySpec.router_output`; default (ids, weights)), other items kept."""
+    items = RouterOutput() if router_output is None else router_output
 
-    def hook(module, inputs, output):
-        if not (isinstance(output, tuple) and len(output) == 2):
-            raise ValueError(f"uncovered-experts policy 'all-experts' needs routers returning (topk_ids, weights); "
-                             f"{type(module).__name__} returns {type(output).__name__} of "
-                             f"{len(output) if isinstance(output, tuple) else 1} items")
-        ids_TK, weights_TK = output
+    def hook(module, inputs, output, name):
+        ids_TK, weights_TK = items.ids(output, name), items.weights(output, name)
         T = ids_TK.shape[0]
         full = torch.zeros(T, num_experts, dtype=weights_TK.dtype, device=weights_TK.device)
         full.scatter_(1, ids_TK, weights_TK)
-        return torch.arange(num_experts, device=ids_TK.device).expand(T, num_experts).contiguous(), full
+        every = torch.arange(num_experts, device=ids_TK.device, dtype=ids_TK.dtype).expand(T, num_experts)
+        return items.replaced(output, every.contiguous(), full)
 
-    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, router_glob)]
+    handles = [m.register_forward_hook(lambda module, inputs, output, name=n: hook(module, inputs, output, name))
+               for n, m in model.named_modules() if fnmatch.fnmatchcase(n, router_glob)]
     if not handles:
         raise ValueError(f"no module of the model matches the router glob {router_glob!r}")
     try:
@@ -151,12 +153,11 @@ def calibrate(
     uncovered: str = "weights",
     progress: Callable[[int], None] | None = None,
     plan=None,
-    router_ids: Callable[[Any], torch.Tensor] | None = None,
+    router_output: RouterOutput | None = None,
 ) -> CalibrationResult:
     """Quantize `model` with ModelOpt, calibrating on `batches` (this rank's); see the module doc. `plan`: the
     distribution plan the model was loaded with (default: the one `modelopt_ext.from_pretrained` put on it).
-    `router_ids`: the family's `FamilySpec.router_ids` (where a router's output holds the expert ids; default its
-    first item).
+    `router_output`: the family's `FamilySpec.router_output` (what its routers return; default (ids, weights)).
 
     Under expert parallelism (experts modules sharded by `ep_dispatch_experts`): ModelOpt converts the model and
     calibrates the weights (before the forward loop) with the experts' sharded parameters presented as this rank's
@@ -184,7 +185,7 @@ def calibrate(
         reset = getattr(module, "reset_expert_input_amax", None)
         if callable(reset):
             reset()
-    routing = all_experts_routing(model, router_glob, num_experts) if uncovered == "all-experts" else (
+    routing = all_experts_routing(model, router_glob, num_experts, router_output) if uncovered == "all-experts" else (
         contextlib.nullcontext())
     # routing hooks first, so the coverage hook (registered after) counts what the experts actually get; routing
     # stays on through a weight search's own forward pass (local_hessian), which coverage does not count
@@ -214,7 +215,7 @@ def calibrate(
             check_collected(m)  # the statistics' finiteness, deferred from every collect to here (a host read)
             marks.append(("forward", time.perf_counter()))
 
-        with record_expert_coverage(model, router_glob, num_experts, router_ids) as coverage:
+        with record_expert_coverage(model, router_glob, num_experts, router_output) as coverage:
             with (_integer_params_under_fsdp(model), naming_nonfinite_quantizer(model), deferred_checks(),
                   local_params):
                 local_params.enter_context(local_expert_params(model))

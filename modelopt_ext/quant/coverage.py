@@ -16,15 +16,13 @@ import fnmatch
 import json
 import struct
 import zlib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from modelopt_ext.ep.dispatch import count_ids
-from modelopt_ext.families import first_item
+from modelopt_ext.families import RouterOutput
 
 
 @dataclasses.dataclass
@@ -104,24 +102,23 @@ def _write_png(path: Path, width: int, height: int, rows: list[bytes]) -> None:
 
 @contextlib.contextmanager
 def record_expert_coverage(model: torch.nn.Module, router_glob: str, num_experts: int,
-                           router_ids: Callable[[Any], torch.Tensor] | None = None):
+                           router_output: RouterOutput | None = None):
     """Count routed tokens while the body runs forwards; sums over ranks on exit.
 
     Args:
         router_glob: fnmatch glob of the router modules' names.
         num_experts: experts per MoE layer (global).
-        router_ids: `router_ids(router_output)` -> its top-k global expert ids [T, K] (the family's
-            `FamilySpec.router_ids`); default: the output's first item, for routers returning (topk_ids, weights).
+        router_output: what the routers return (the family's `FamilySpec.router_output`; default (ids, weights)).
     """
-    ids_of = first_item if router_ids is None else router_ids
+    items = RouterOutput() if router_output is None else router_output
     coverage = Coverage(num_experts)
 
     def hook(mod, inputs, output, name):
-        ids = ids_of(output)
+        ids = items.ids(output, name)
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
-            raise TypeError(f"router {name}: the expert ids read from its output ({type(output).__name__}) are not an "
-                            f"integer tensor (got {getattr(ids, 'dtype', type(ids).__name__)}); give the family's "
-                            "`router_ids`")
+            raise TypeError(f"router {name}: the expert ids read from its output (item {items.items.index('ids')} of "
+                            f"{items.items}) are not an integer tensor (got {getattr(ids, 'dtype', type(ids).__name__)}"
+                            "); give the family's `router_output`")
         coverage.add(name, ids.detach())
 
     handles = []

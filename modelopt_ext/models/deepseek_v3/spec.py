@@ -4,7 +4,7 @@ stand-in, and the multi-token-prediction layers the export carries over (`carrie
 
 from __future__ import annotations
 
-from modelopt_ext.families import FamilySpec, ServingSpec, register_family
+from modelopt_ext.families import FamilySpec, RouterOutput, ServingSpec, register_family
 
 from . import engine_rules, serving
 from .config_check import MODEL_TYPES, check_config
@@ -80,7 +80,7 @@ DEEPSEEK_V3 = register_family(
             sources=engine_rules.SOURCES,
             recipe_engines=engine_rules.RECIPE_ENGINES,
         ),
-        router_ids=lambda output: output[2],  # DeepseekV3TopkRouter returns (logits, topk weights, topk ids)
+        router_output=RouterOutput(("logits", "weights", "ids")),  # DeepseekV3TopkRouter's return
         carried_layers=carried_layers,
     )
 )

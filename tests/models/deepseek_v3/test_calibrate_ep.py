@@ -5,7 +5,8 @@ The family's MoE block is transformers' own (`DeepseekV3MoE` calls `self.experts
 this runs the generic pieces `quant.calibrate.calibrate` adds under EP: the dispatching forward put back after
 ModelOpt's conversion (`ep.backend.restore_ep_forwards`), the experts' sharded parameters presented to ModelOpt as
 the rank's local tensors (`ep.sharding.local_expert_params`: per-expert weight quantizers indexed locally), and the
-router's expert ids read where `FamilySpec.router_ids` says (`DeepseekV3TopkRouter` returns (logits, weights, ids)).
+router's expert ids read where `FamilySpec.router_output` says (`DeepseekV3TopkRouter` returns (logits, weights, ids)),
+and the all-experts policy, which rewrites that output.
 
 Each rank calibrates on its own batch; the one-process reference calibrates the same model on both ranks' batches.
 Rank r's local expert i is global expert r * E_local + i. Equality, fp32: bit for bit for every per-expert weight
@@ -46,7 +47,7 @@ def _amax_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
             for n, q in model.named_modules() if isinstance(q, TensorQuantizer) and q.is_enabled}
 
 
-def _calibrate(model, batches):
+def _calibrate(model, batches, uncovered="weights"):
     import modelopt.torch.quantization as mtq
 
     from modelopt_ext.families import families
@@ -54,17 +55,17 @@ def _calibrate(model, batches):
 
     spec = families()["deepseek_v3"]
     return calibrate(model, mtq.FP8_DEFAULT_CFG, batches, router_glob=spec.router_glob, num_experts=NUM_EXPERTS,
-                     router_ids=spec.router_ids)
+                     router_output=spec.router_output, uncovered=uncovered)
 
 
 # ---- per-rank body (run on every rank by run_ranks) ------------------------------------------------------------------
 
 
-def ep_calibration(rank: int, world_size: int, ckpt: str):
+def ep_calibration(rank: int, world_size: int, ckpt: str, uncovered: str = "weights"):
     """calibrate() on the EP model with this rank's batches: amax by quantizer name, coverage, local expert count."""
     model = modelopt_ext.from_pretrained(ckpt, ep_size=world_size, dtype=torch.float32,
                                          experts_implementation="batched_mm")
-    result = _calibrate(model, batches_of(rank))
+    result = _calibrate(model, batches_of(rank), uncovered)
     experts = result.model.model.layers[1].mlp.experts
     return {"amax": _amax_by_name(result.model), "coverage": result.coverage.table(), "sync": result.sync,
             "local_experts": experts.num_experts, "quantized_class": type(experts).__name__,
@@ -80,16 +81,23 @@ def _global_name(name: str, rank: int, local_experts: int) -> str:
     return name if m is None else f"{m[1]}.{rank * local_experts + int(m[2])}"
 
 
-@pytest.fixture(scope="module")
-def calibrated(ds_tiny):
-    ep = run_ranks(ep_calibration, WORLD, {"ckpt": str(ds_tiny)}, timeout_s=300)
-    single = modelopt_ext.from_pretrained(ds_tiny, dtype=torch.float32, experts_implementation="batched_mm")
-    ref = _calibrate(single, [b for rank in range(WORLD) for b in batches_of(rank)])
+def _ep_and_one_process(ckpt, uncovered: str):
+    ep = run_ranks(ep_calibration, WORLD, {"ckpt": str(ckpt), "uncovered": uncovered}, timeout_s=300)
+    single = modelopt_ext.from_pretrained(ckpt, dtype=torch.float32, experts_implementation="batched_mm")
+    ref = _calibrate(single, [b for rank in range(WORLD) for b in batches_of(rank)], uncovered)
     return ep, {"amax": _amax_by_name(ref.model), "coverage": ref.coverage.table()}
 
 
+@pytest.fixture(scope="module")
+def calibrated(ds_tiny):
+    return _ep_and_one_process(ds_tiny, "weights")
+
+
 def test_ep_amax_equals_one_process(calibrated):
-    ep, ref = calibrated
+    _assert_amax_parity(*calibrated)
+
+
+def _assert_amax_parity(ep, ref):
     seen, kinds = set(), {"expert weights": 0, "exact": 0, "after the first MoE layer": 0}
     worst = 0.0
     for rank, r in enumerate(ep):
@@ -125,3 +133,13 @@ def test_ep_coverage_equals_one_process(calibrated):
     assert len(ref["coverage"]) == 3 and all(sum(row) == 2 * 2 * 12 * WORLD * 4 for row in ref["coverage"].values())
     for r in ep:
         assert r["coverage"] == ref["coverage"]
+
+
+def test_all_experts_routing_sends_every_token_to_every_expert_under_ep(ds_tiny):
+    """`--uncovered-experts all-experts` on a router that returns (logits, weights, ids): ids and weights replaced,
+    the logits kept; every expert of every MoE layer counts every token, and EP matches one process."""
+    ep, ref = _ep_and_one_process(ds_tiny, "all-experts")
+    tokens = 2 * 2 * 12 * WORLD
+    assert len(ref["coverage"]) == 3 and all(row == [tokens] * NUM_EXPERTS for row in ref["coverage"].values())
+    assert all(r["coverage"] == ref["coverage"] for r in ep)
+    _assert_amax_parity(ep, ref)
