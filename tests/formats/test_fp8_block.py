@@ -113,6 +113,15 @@ def test_the_scope_nests_and_restores_transformers_function():
     assert Fp8Dequantize._dequantize_one is original
 
 
+def test_the_scope_restores_transformers_shard_on_read():
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    init, shard = DtensorShardOperation.__init__, DtensorShardOperation.shard_tensor
+    with fp8.exact_block_dequantize(), fp8.exact_block_dequantize():
+        assert DtensorShardOperation.__init__ is not init and DtensorShardOperation.shard_tensor is not shard
+    assert DtensorShardOperation.__init__ is init and DtensorShardOperation.shard_tensor is shard
+
+
 # ---- sharded loads (FSDP dense layers): each rank's scales are its weight shard's -----------------------------------
 
 
