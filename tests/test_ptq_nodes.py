@@ -94,7 +94,8 @@ def test_sigterm_during_the_export_removes_the_staging_dir_on_every_rank(tiny_ck
     sent = []
 
     def terminate_once_exporting(agents) -> None:
-        if not sent and any(p.glob("*.safetensors") for p in tmp_path.glob(".out.partial-*")):
+        # (a file, not the dir: `p.glob(...)` alone is a generator, always true, which fired on the bare staging dir)
+        if not sent and any(any(p.glob("*.safetensors")) for p in tmp_path.glob(".out.partial-*")):
             for agent in agents:
                 os.kill(agent.pid, signal.SIGTERM)
             sent.append(True)

@@ -104,10 +104,14 @@ def interrupts_raise():
             signal.signal(s, h)
 
 
-def staging_dir(export_dir: Path) -> Path:
-    """A new hidden directory beside `export_dir`, holding only its owner record."""
+def staging_dir(export_dir: Path, created: list[Path] | None = None) -> Path:
+    """A new hidden directory beside `export_dir`, holding only its owner record. `created`: its path is appended
+    before the directory is made, so that a signal arriving from then on (before the caller holds the returned
+    path) still lets the caller `discard` it."""
     export_dir.parent.mkdir(parents=True, exist_ok=True)
     path = export_dir.parent / f".{export_dir.name}{STAGING_SUFFIX}{secrets.token_hex(_TOKEN_CHARS // 2)}"
+    if created is not None:
+        created.append(path)
     path.mkdir()
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     (path / OWNER_NAME).write_text(json.dumps(owner) + "\n")

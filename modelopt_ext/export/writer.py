@@ -560,9 +560,9 @@ def export_checkpoint(
     family = source.family
     agree("the export layout and quantization config", (dataclasses.asdict(files), quant_config))
     with interrupts_raise():  # SIGTERM/SIGINT while staged: every rank removes the staging dir, then leaves
-        staging = None
+        staging, created = None, []  # `created`: rank 0's staging dir from before it exists (staging_dir)
         try:
-            staging = all_or_fail("export staging", lambda: _new_staging(export_dir, overwrite, rank))
+            staging = all_or_fail("export staging", lambda: _new_staging(export_dir, overwrite, rank, created))
             staging = Path(gather_objects(str(staging) if staging else None)[0])
             exporter = _UnitExporter(model, files, family, api, dtype, quant_config, source_tensors.export_dtypes(),
                                      staging, rank, world, expert_input_scales, source_tensors, carried)
@@ -598,7 +598,9 @@ def export_checkpoint(
         except BaseException as e:
             # first, in this order: a signal arriving in between would skip what follows (discard holds them)
             e.export_discarded = True  # read by `ptq`'s error line: nothing of this export is published
-            discard(staging)  # on every rank: the one that was interrupted may not be rank 0
+            # on every rank (the one that was interrupted may not be rank 0); rank 0's dir also when the signal came
+            # while it was made or the ranks agreed on it (CI: a dir with only its owner record was left)
+            discard(staging if staging is not None else next(iter(created), None))
             release_host_cache()
             raise
     seconds = time.perf_counter() - start
@@ -635,11 +637,11 @@ def _named(names: tuple[str, ...]) -> str:
     return f": {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}" if names else ""
 
 
-def _new_staging(export_dir: Path, overwrite: bool, rank: int) -> Path | None:
+def _new_staging(export_dir: Path, overwrite: bool, rank: int, created: list[Path]) -> Path | None:
     """On rank 0: with `overwrite`, remove what earlier runs of this export left (validate reported it); then
-    a new staging dir."""
+    a new staging dir, its path in `created` before it exists."""
     if rank != 0:
         return None
     if overwrite:
         stale_dirs(export_dir, overwrite=True, remove=True)
-    return staging_dir(export_dir)
+    return staging_dir(export_dir, created)

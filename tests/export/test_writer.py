@@ -170,6 +170,30 @@ def test_a_failed_file_write_fails_the_export_and_leaves_nothing(source, tmp_pat
     assert list(tmp_path.iterdir()) == []  # no export, no staging directory
 
 
+def test_a_signal_while_the_staging_dir_is_made_leaves_nothing(source, tmp_path, monkeypatch):
+    """SIGTERM right after rank 0 made its staging dir, before the export holds its path (in a process group the
+    ranks then agree on it, a collective a signal can interrupt): the dir is still removed. Before, only its owner
+    record was left (found by tests/test_ptq_nodes.py once its trigger fired on the dir, not on a file)."""
+    import signal
+
+    from modelopt_ext.export import writer
+    from modelopt_ext.export.staging import Interrupted
+
+    made = []
+    staging_dir = writer.staging_dir
+
+    def signalled(export_dir, created=None):
+        made.append(staging_dir(export_dir, created))
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(writer, "staging_dir", signalled)
+    out = tmp_path / "export"
+    with pytest.raises(Interrupted) as e:
+        calibrate_and_export(0, 1, str(source), str(out), FP8)
+    assert e.value.export_discarded and len(made) == 1
+    assert list(tmp_path.iterdir()) == []  # no export, no staging directory
+
+
 def test_every_byte_is_flushed_before_the_export_is_published(source, tmp_path, monkeypatch):
     """Each tensor file is fsynced by its writer, rank 0's files and the directories before the rename, and the
     rename itself after it: a crash cannot leave an export that looks finished with data still in memory."""
